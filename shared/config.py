@@ -98,6 +98,39 @@ class WorkerConfig(_Section):
     enable_prefix_caching: bool = True
 
 
+class SimConfig(_Section):
+    """The roofline simulator that stands in for a GPU in load tests (``worker.backend = "sim"``).
+
+    Decode step time = (weight bytes + KV bytes read) ÷ (HBM bandwidth × efficiency) + step overhead;
+    prefill time = 2 × parameters × prompt tokens ÷ usable FLOP/s (DESIGN.md, sim backend). Defaults: an NVIDIA
+    H200 (4.8 TB/s HBM3e, 989 dense bf16 TFLOP/s, NVIDIA's datasheet) serving Llama-3-8B in bf16
+    (8.03 B parameters; KV 32 layers × 2 × 8 KV heads × 128 × 2 bytes = 131072 bytes per token).
+
+    Attributes:
+        hbm_bandwidth_gb_s: peak HBM bandwidth in GB/s (10^9 bytes/s).
+        hbm_efficiency: fraction of peak bandwidth reached in decode.
+        usable_tflops: dense bf16 FLOP/s reached in prefill, in TFLOP/s.
+        model_params_b: parameters in billions.
+        weight_bytes_per_param: 2 for bf16.
+        kv_bytes_per_token: KV bytes per token over all layers.
+        kv_cache_gib: simulated device KV pool in GiB.
+        step_overhead_ms: fixed cost of one engine step (launches, sampling, scheduling).
+        max_model_len_tokens: simulated context length.
+        time_scale: multiply every simulated duration (>1 slows the simulated GPU down).
+    """
+
+    hbm_bandwidth_gb_s: float = 4800.0
+    hbm_efficiency: float = 0.7
+    usable_tflops: float = 600.0
+    model_params_b: float = 8.03
+    weight_bytes_per_param: float = 2.0
+    kv_bytes_per_token: int = 131072
+    kv_cache_gib: float = 60.0
+    step_overhead_ms: float = 2.0
+    max_model_len_tokens: int = 8192
+    time_scale: float = 1.0
+
+
 class TierConfig(_Section):
     """One admission tier (used by admission; see the overload issue).
 
@@ -123,6 +156,7 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     gateway: GatewayConfig = GatewayConfig()
     worker: WorkerConfig = WorkerConfig()
+    sim: SimConfig = SimConfig()
     tiers: list[TierConfig] = []
     default_tier: str = "standard"
 

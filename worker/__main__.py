@@ -1,0 +1,163 @@
+"""``sluice worker``: load the model, size the KV pool, and serve gateways over TCP or a Unix socket.
+
+Usage::
+
+    sluice worker --listen 127.0.0.1:9100 [--config config.toml] [--backend cpu|cuda|sim]
+    sluice worker --listen unix:/tmp/sluice-worker.sock
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import uuid
+
+import structlog
+
+from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
+from shared.protocol import Capacity, Hello
+
+log = structlog.get_logger("sluice.worker")
+
+GIB = 1024**3
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sluice worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", required=True, help="HOST:PORT or unix:PATH")
+    parser.add_argument("--config", default=None, help="config.toml (default: $SLUICE_CONFIG or ./config.toml)")
+    parser.add_argument("--backend", choices=["auto", "cpu", "cuda", "sim"], default=None)
+    parser.add_argument("--worker-id", default=None)
+    return parser.parse_args(argv)
+
+
+def _pressure(usage: float) -> str:
+    if usage >= 0.95:
+        return "critical"
+    if usage >= 0.8:
+        return "elevated"
+    return "normal"
+
+
+def build_worker(config: Config, worker_id: str):
+    """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`."""
+    import torch
+
+    from worker.engine import Engine
+    from worker.kv_cache.manager import KVCacheManager
+    from worker.scheduler import Scheduler
+    from worker.server import WorkerServer
+
+    wc = config.worker
+    backend = wc.backend
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "sim":
+        from worker.backends.sim import build_sim_runner
+
+        runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
+    else:
+        from worker.model import load_model
+        from worker.model_runner import ModelRunner
+
+        device = torch.device("cuda" if backend == "cuda" else "cpu")
+        if backend == "cpu" and wc.num_threads > 0:
+            torch.set_num_threads(wc.num_threads)
+        dtype_name = config.model.dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+        dtype = getattr(torch, dtype_name)
+        model = load_model(resolve_model_path(config.model), dtype, device, attention_backend=wc.attention_backend)
+        spec = model.spec
+        bytes_per_block = model.kv_cache_bytes_per_block(wc.block_size_tokens, dtype)
+        num_blocks = int(wc.kv_cache_gib * GIB // bytes_per_block)
+        if num_blocks < 2:
+            raise ConfigError(f"worker.kv_cache_gib = {wc.kv_cache_gib} holds fewer than 2 KV blocks")
+        kv_cache = model.allocate_kv_cache(num_blocks, wc.block_size_tokens)
+        runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device)
+        device_name = str(device)
+        attention_name = model.attention_backend_name
+    max_model_len = min(config.model.max_model_len_tokens, spec.max_position_embeddings)
+    kv_manager = KVCacheManager(num_blocks, wc.block_size_tokens, enable_prefix_caching=wc.enable_prefix_caching)
+    scheduler = Scheduler(kv_manager, wc.max_num_seqs, wc.max_num_batched_tokens, max_model_len)
+    engine = Engine(scheduler, runner, spec.eos_token_ids)
+    hello = Hello(
+        worker_id=worker_id,
+        model_id=config.model.name,
+        backend=backend,
+        device=device_name,
+        block_size_tokens=wc.block_size_tokens,
+        num_kv_blocks=num_blocks,
+        kv_capacity_tokens=num_blocks * wc.block_size_tokens,
+        max_num_seqs=wc.max_num_seqs,
+        max_model_len_tokens=max_model_len,
+        attention_backend=attention_name,
+    )
+    tier_priority = {tier.name: tier.priority for tier in config.tiers}
+
+    def capacity() -> Capacity:
+        stats = scheduler.stats()
+        usage = stats.num_used_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        return Capacity(
+            free_kv_blocks=stats.num_free_blocks,
+            total_kv_blocks=stats.num_total_blocks,
+            used_kv_blocks=stats.num_used_blocks,
+            cached_kv_blocks=stats.num_cached_blocks,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            decode_tokens_per_s=engine.decode_tokens_per_s(),
+            prefill_tokens_per_s=engine.prefill_tokens_per_s(),
+            prefix_hit_rate=engine.prefix_hit_rate(),
+            num_preemptions=stats.num_preemptions,
+            pressure=_pressure(usage),
+        )
+
+    return WorkerServer(
+        engine,
+        hello,
+        capacity,
+        max_model_len,
+        capacity_interval_s=wc.capacity_interval_s,
+        tier_priority_fn=lambda tier: tier_priority.get(tier, 0),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sluice worker``; returns the exit status."""
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    structlog.configure(processors=[structlog.processors.TimeStamper(fmt="iso"),
+                                    structlog.processors.add_log_level,
+                                    structlog.processors.JSONRenderer()])
+    try:
+        config = load_config(args.config)
+        if args.backend:
+            config = with_overrides(config, worker={"backend": args.backend})
+    except ConfigError as exc:
+        print(f"sluice worker: {exc}", file=sys.stderr)
+        return 2
+    worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    server = build_worker(config, worker_id)
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await server.start(args.listen)
+        await stop.wait()
+        log.info("worker_stopping", worker_id=worker_id)
+        await server.close()
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

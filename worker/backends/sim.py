@@ -1,0 +1,103 @@
+"""The sim backend: a roofline SIMULATOR of a GPU worker, for load beyond what a CPU can run.
+
+Same scheduler, same KV pool metadata, same protocol as the real worker; only the model step is replaced by a
+timed wait from a roofline model (DESIGN.md, sim backend) and tokens are deterministic pseudo-random ids from the
+real tokenizer's vocabulary. It announces itself as ``backend = "sim"`` and device ``sim:<gpu>`` in ``Hello``, so
+every metric label and log line that names the backend says it is a simulator. Never use it in tests of the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+from shared.config import Config, SimConfig, resolve_model_path
+from worker.scheduler import SchedulerOutput
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class SimModelSpec:
+    """The parts of a model spec the worker needs, for the simulated model."""
+
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_position_embeddings: int
+
+
+def step_time_s(sim: SimConfig, num_prefill_tokens: int, kv_tokens_read: int) -> float:
+    """Return the simulated duration of one engine step in seconds.
+
+    Args:
+        sim: the roofline parameters.
+        num_prefill_tokens: prompt tokens computed this step (compute-bound: 2 × params FLOPs each).
+        kv_tokens_read: cached tokens whose K/V the step's attention reads (memory-bound).
+
+    The weights are read once per step whatever the batch (decode is memory-bound; Williams et al., "Roofline",
+    CACM 2009); prefill FLOPs are added, not overlapped, which makes mixed steps slightly pessimistic.
+    """
+    bandwidth_bytes_s = sim.hbm_bandwidth_gb_s * 1e9 * sim.hbm_efficiency
+    weight_bytes = sim.model_params_b * 1e9 * sim.weight_bytes_per_param
+    memory_s = (weight_bytes + kv_tokens_read * sim.kv_bytes_per_token) / bandwidth_bytes_s
+    compute_s = 2.0 * sim.model_params_b * 1e9 * num_prefill_tokens / (sim.usable_tflops * 1e12)
+    return (memory_s + compute_s + sim.step_overhead_ms / 1000.0) * sim.time_scale
+
+
+def sim_token(seed: int, position: int, vocab: list[int]) -> int:
+    """Return a deterministic pseudo-random token id for (seed, output position) from ``vocab``."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return vocab[int.from_bytes(digest, "little") % len(vocab)]
+
+
+class SimRunner:
+    """Stand-in for :class:`worker.model_runner.ModelRunner` that sleeps for the roofline step time."""
+
+    def __init__(self, sim: SimConfig, vocab: list[int]) -> None:
+        self.sim = sim
+        self.vocab = vocab
+        self.num_steps = 0
+        self.simulated_busy_s = 0.0
+
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        num_prefill = 0
+        kv_tokens = 0
+        for item in out.scheduled:
+            kv_tokens += item.seq.num_computed_tokens + item.num_new_tokens
+            if not (item.num_new_tokens == 1 and item.seq.output_token_ids):
+                num_prefill += item.num_new_tokens
+        duration_s = step_time_s(self.sim, num_prefill, kv_tokens)
+        time.sleep(duration_s)
+        self.num_steps += 1
+        self.simulated_busy_s += duration_s
+        return {
+            item.seq.request_id: sim_token(item.seq.seed, len(item.seq.output_token_ids), self.vocab)
+            for item in out.scheduled
+            if item.sample
+        }
+
+
+def build_sim_runner(config: Config):
+    """Build the simulator from config: ``(runner, spec, num_kv_blocks, device_name, attention_name)``.
+
+    The vocabulary is the real tokenizer's (the served model's), without its special tokens, so the gateway
+    detokenizes the simulated output like real output.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(config.model)
+    if path.endswith(".gguf"):
+        folder, _, name = path.rpartition("/")
+        tokenizer = AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sim = config.sim
+    bytes_per_block = sim.kv_bytes_per_token * config.worker.block_size_tokens
+    num_blocks = int(sim.kv_cache_gib * GIB // bytes_per_block)
+    spec = SimModelSpec(vocab_size=len(tokenizer), eos_token_ids=eos,
+                        max_position_embeddings=sim.max_model_len_tokens)
+    return SimRunner(sim, vocab), spec, num_blocks, "sim:roofline", "sim"

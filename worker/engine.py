@@ -1,0 +1,143 @@
+"""The worker's engine loop: schedule → run the model → sample → report, one step at a time.
+
+The engine is synchronous and single-threaded: :class:`worker.server.WorkerServer` calls :meth:`Engine.step` in a
+dedicated thread and applies arrivals and aborts between steps, so an ``Abort`` takes effect within one step.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from dataclasses import dataclass, field
+
+from shared.protocol import Generate
+from worker.scheduler import Scheduler, SeqEvent
+from worker.sequence import Sequence
+
+THROUGHPUT_WINDOW_S = 5.0
+
+
+@dataclass
+class StepResult:
+    """What one engine step produced.
+
+    Attributes:
+        events: new tokens and finishes, per sequence.
+        first_token_latency_ms: for sequences that produced their first token this step, ms since arrival.
+        step_time_s: wall time of the step.
+        num_decode_tokens: tokens decoded this step.
+        num_prefill_tokens: prompt tokens computed this step.
+    """
+
+    events: list[SeqEvent]
+    first_token_latency_ms: dict[str, float] = field(default_factory=dict)
+    step_time_s: float = 0.0
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+
+class _RateWindow:
+    """Tokens per second over the last :data:`THROUGHPUT_WINDOW_S` seconds of busy time."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, int, float]] = collections.deque()
+
+    def add(self, now_s: float, num_tokens: int, busy_s: float) -> None:
+        self._samples.append((now_s, num_tokens, busy_s))
+        while self._samples and self._samples[0][0] < now_s - THROUGHPUT_WINDOW_S:
+            self._samples.popleft()
+
+    def tokens_per_s(self) -> float:
+        tokens = sum(s[1] for s in self._samples)
+        busy_s = sum(s[2] for s in self._samples)
+        return tokens / busy_s if busy_s > 0 else 0.0
+
+
+class Engine:
+    """Continuous batching over one model and one KV pool.
+
+    Args:
+        scheduler: decides each step's batch.
+        runner: runs a scheduled step and samples (``run(SchedulerOutput) -> {request_id: token}``); the real
+            :class:`worker.model_runner.ModelRunner` or the simulator's.
+        default_stop_token_ids: EOS ids of the model, added to every request's stop ids unless ``ignore_eos``.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner, default_stop_token_ids: list[int]) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.default_stop_token_ids = list(default_stop_token_ids)
+        self._arrival_s: dict[str, float] = {}
+        self._decode_rate = _RateWindow()
+        self._prefill_rate = _RateWindow()
+        self._prompt_tokens_window = collections.deque()  # (now_s, prompt_tokens, cached_tokens)
+
+    def add(self, request_id: str, msg: Generate, tier_priority: int = 0) -> None:
+        """Queue a request under ``request_id`` (unique in this worker)."""
+        stop_token_ids = set(msg.stop_token_ids)
+        if not msg.ignore_eos:
+            stop_token_ids.update(self.default_stop_token_ids)
+        seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling=msg.sampling,
+            seed=seed,
+            max_tokens=msg.max_tokens,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=msg.ignore_eos,
+            tier=msg.tier,
+            tier_priority=tier_priority,
+            cache_ttl_s=msg.cache_ttl_s,
+        )
+        self._arrival_s[request_id] = time.monotonic()
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now; return whether it was known."""
+        self._arrival_s.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> StepResult:
+        """Run one step: schedule, run the model, sample, update the scheduler."""
+        start_s = time.monotonic()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            events = self.scheduler.update_from_output(out, {})
+            return StepResult(events=events, step_time_s=time.monotonic() - start_s)
+        num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
+        num_prefill = sum(s.num_new_tokens for s in out.scheduled) - num_decode
+        sampled = self.runner.run(out)
+        events = self.scheduler.update_from_output(out, sampled)
+        end_s = time.monotonic()
+        step_time_s = end_s - start_s
+        self._decode_rate.add(end_s, num_decode, step_time_s)
+        self._prefill_rate.add(end_s, num_prefill, step_time_s)
+        result = StepResult(events, step_time_s=step_time_s, num_decode_tokens=num_decode,
+                            num_prefill_tokens=num_prefill)
+        for event in events:
+            arrival_s = self._arrival_s.get(event.request_id)
+            if arrival_s is not None and event.new_token_ids and event.completion_tokens == len(event.new_token_ids):
+                result.first_token_latency_ms[event.request_id] = (end_s - arrival_s) * 1000.0
+            if event.finish_reason is not None:
+                self._arrival_s.pop(event.request_id, None)
+                self._prompt_tokens_window.append((end_s, event.prompt_tokens, event.cached_tokens))
+        while self._prompt_tokens_window and self._prompt_tokens_window[0][0] < end_s - 60.0:
+            self._prompt_tokens_window.popleft()
+        return result
+
+    def decode_tokens_per_s(self) -> float:
+        return self._decode_rate.tokens_per_s()
+
+    def prefill_tokens_per_s(self) -> float:
+        return self._prefill_rate.tokens_per_s()
+
+    def prefix_hit_rate(self) -> float:
+        """Cached ÷ prompt tokens of requests finished in the last minute."""
+        prompt = sum(w[1] for w in self._prompt_tokens_window)
+        cached = sum(w[2] for w in self._prompt_tokens_window)
+        return cached / prompt if prompt else 0.0

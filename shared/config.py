@@ -132,14 +132,19 @@ class SimConfig(_Section):
 
 
 class TierConfig(_Section):
-    """One admission tier (used by admission; see the overload issue).
+    """One admission tier (DESIGN.md, Gateway steps 2–5; the overload issue).
 
     Attributes:
         name: the tier label, carried to the worker and its eviction policy.
-        priority: larger is served first.
-        queue_capacity: most requests waiting in this tier's queue.
-        queue_timeout_s: a request waiting longer is shed with 503.
-        default_max_tokens, max_tokens: output caps of the tier.
+        priority: larger is served first; admission ages waiting requests upward (``admission.aging_rate_per_s``).
+        queue_capacity: most requests waiting in this tier's queue; one more gets 503 ``queue_full`` at once.
+        queue_timeout_s: a request waiting longer is shed with 503 ``queue_timeout`` (timeout circuit breaking).
+        default_max_tokens: output budget when a request gives none (capped too).
+        max_tokens: the tier's ceiling on output tokens per choice.
+        reserved_kv_fraction: fraction (0–1) of the pool's KV blocks kept for this tier: requests of lower-priority
+            tiers may not take the part of it this tier is not using.
+        rpm_limit: requests per minute per API key in this tier; 0 = unlimited (an API key may override it).
+        tpm_limit: tokens (prompt + capped output) per minute per API key; 0 = unlimited.
     """
 
     name: str
@@ -148,6 +153,130 @@ class TierConfig(_Section):
     queue_timeout_s: float = 30.0
     default_max_tokens: int = 512
     max_tokens: int = 2048
+    reserved_kv_fraction: float = 0.0
+    rpm_limit: int = 0
+    tpm_limit: int = 0
+
+
+# The tiers a config without ``[[tiers]]`` gets (same values as config.toml).
+DEFAULT_TIERS: tuple[TierConfig, ...] = (
+    TierConfig(name="vip", priority=3, queue_capacity=256, queue_timeout_s=5.0, default_max_tokens=1024,
+               max_tokens=2048, reserved_kv_fraction=0.2),
+    TierConfig(name="standard", priority=2, queue_capacity=512, queue_timeout_s=15.0, default_max_tokens=512,
+               max_tokens=2048, reserved_kv_fraction=0.1),
+    TierConfig(name="free", priority=1, queue_capacity=256, queue_timeout_s=30.0, default_max_tokens=256,
+               max_tokens=1024, rpm_limit=60, tpm_limit=60000),
+    TierConfig(name="batch", priority=0, queue_capacity=1024, queue_timeout_s=300.0, default_max_tokens=512,
+               max_tokens=2048),
+)
+
+
+class ApiKeyConfig(_Section):
+    """One API key: who it belongs to and which tier it gets (``[[api_keys]]`` or ``admission.keys_file``).
+
+    Attributes:
+        key: the secret the client sends as ``Authorization: Bearer <key>``.
+        tenant: the owner, for accounting and job visibility.
+        tier: the tier's name.
+        rpm_limit: requests per minute for this key; None = the tier's ``rpm_limit``; 0 = unlimited.
+        tpm_limit: tokens per minute for this key; None = the tier's ``tpm_limit``; 0 = unlimited.
+    """
+
+    key: str
+    tenant: str
+    tier: str
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+
+
+class AdmissionConfig(_Section):
+    """Admission control in the gateway (DESIGN.md, step 5).
+
+    Attributes:
+        enabled: false = the baseline for benchmarks: one FIFO queue, no deadlines, no early rejection, no reserved
+            shares, no rate limits, no tier or pressure caps (the server-wide ``gateway.max_tokens_cap`` still holds).
+        order_policy: dispatch order, ``priority_aging`` or ``fifo``.
+        aging_rate_per_s: priority points a waiting request gains per second waited.
+        require_api_key: a request without a known API key gets 401 ``invalid_api_key``.
+        keys_file: a TOML file of ``[[api_keys]]`` tables added to ``Config.api_keys``; "" = none.
+        tier_header: request header a client may use to lower its tier (like the ``service_tier`` body field).
+        early_rejection: reject at arrival when the predicted queue wait exceeds the tier's deadline.
+        rate_window_s: window over which dispatch rates are measured.
+        max_retry_after_s: ceiling of ``Retry-After`` in seconds.
+    """
+
+    enabled: bool = True
+    order_policy: str = "priority_aging"
+    aging_rate_per_s: float = 0.1
+    require_api_key: bool = False
+    keys_file: str = ""
+    tier_header: str = "x-sluice-tier"
+    early_rejection: bool = True
+    rate_window_s: float = 10.0
+    max_retry_after_s: int = 120
+
+
+class PressureLevelConfig(_Section):
+    """Entry/exit thresholds and the policy of one pressure level above ``normal``.
+
+    The level is entered when the predicted queue wait or the KV usage reaches its ``enter_*`` threshold and left
+    when both are below the ``leave_*`` thresholds (hysteresis) and it has lasted ``pressure.min_dwell_s``.
+
+    Attributes:
+        enter_queue_wait_s, leave_queue_wait_s: predicted queue wait in seconds.
+        enter_kv_used_fraction, leave_kv_used_fraction: used KV blocks ÷ total KV blocks (0–1).
+        max_tokens_by_tier: tier name → output-token cap at this level.
+        queue_timeout_s_by_tier: tier name → queue-wait deadline in seconds at this level.
+        shed_tiers: tiers rejected at arrival (503 ``server_overloaded``) at this level.
+    """
+
+    enter_queue_wait_s: float
+    leave_queue_wait_s: float
+    enter_kv_used_fraction: float
+    leave_kv_used_fraction: float
+    max_tokens_by_tier: dict[str, int] = {}
+    queue_timeout_s_by_tier: dict[str, float] = {}
+    shed_tiers: list[str] = []
+
+
+class PressureConfig(_Section):
+    """Pressure levels: normal (the tiers' own settings), elevated, critical (DESIGN.md, pressure levels).
+
+    Attributes:
+        min_dwell_s: least time in a level before stepping down (escalation is immediate).
+        elevated, critical: the two levels above normal.
+    """
+
+    min_dwell_s: float = 5.0
+    elevated: PressureLevelConfig = PressureLevelConfig(
+        enter_queue_wait_s=2.0,
+        leave_queue_wait_s=1.0,
+        enter_kv_used_fraction=0.85,
+        leave_kv_used_fraction=0.75,
+        max_tokens_by_tier={"vip": 2048, "standard": 1024, "free": 256, "batch": 512},
+        queue_timeout_s_by_tier={"free": 15.0},
+    )
+    critical: PressureLevelConfig = PressureLevelConfig(
+        enter_queue_wait_s=8.0,
+        leave_queue_wait_s=4.0,
+        enter_kv_used_fraction=0.95,
+        leave_kv_used_fraction=0.9,
+        max_tokens_by_tier={"vip": 1024, "standard": 512, "free": 128, "batch": 256},
+        queue_timeout_s_by_tier={"standard": 10.0, "free": 5.0},
+        shed_tiers=["batch"],
+    )
+
+
+class BreakerConfig(_Section):
+    """Per-worker circuit breakers (Nygard, "Release It!", 2007: closed → open → half-open).
+
+    Attributes:
+        failure_threshold: consecutive failures or timeouts that open a closed breaker.
+        cooldown_s: time an open breaker waits before letting exactly one probe through (half-open).
+    """
+
+    failure_threshold: int = 5
+    cooldown_s: float = 10.0
 
 
 class Config(_Section):
@@ -159,10 +288,75 @@ class Config(_Section):
     sim: SimConfig = SimConfig()
     tiers: list[TierConfig] = []
     default_tier: str = "standard"
+    admission: AdmissionConfig = AdmissionConfig()
+    pressure: PressureConfig = PressureConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    api_keys: list[ApiKeyConfig] = []
 
 
 class ConfigError(Exception):
     """The config file or an override is invalid; the message names the key."""
+
+
+def effective_tiers(config: Config) -> list[TierConfig]:
+    """Return the configured tiers, or :data:`DEFAULT_TIERS` (vip, standard, free, batch) when none are."""
+    return list(config.tiers) if config.tiers else list(DEFAULT_TIERS)
+
+
+def validate_admission_config(config: Config) -> None:
+    """Check that tiers, API keys and pressure levels agree with each other.
+
+    Raises:
+        ConfigError: the message names the offending key.
+    """
+    tiers = effective_tiers(config)
+    names = [tier.name for tier in tiers]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tiers: duplicate tier names in {names}")
+    for i, tier in enumerate(tiers):
+        if not tier.name:
+            raise ConfigError(f"tiers[{i}].name: must not be empty")
+        if tier.queue_capacity < 1:
+            raise ConfigError(f"tiers[{i}].queue_capacity: must be ≥ 1, got {tier.queue_capacity}")
+        if tier.queue_timeout_s <= 0:
+            raise ConfigError(f"tiers[{i}].queue_timeout_s: must be > 0, got {tier.queue_timeout_s}")
+        if tier.default_max_tokens < 1 or tier.max_tokens < 1:
+            raise ConfigError(f"tiers[{i}]: default_max_tokens and max_tokens must be ≥ 1")
+        if not 0.0 <= tier.reserved_kv_fraction <= 1.0:
+            raise ConfigError(f"tiers[{i}].reserved_kv_fraction: must be in [0, 1], got {tier.reserved_kv_fraction}")
+        if tier.rpm_limit < 0 or tier.tpm_limit < 0:
+            raise ConfigError(f"tiers[{i}]: rpm_limit and tpm_limit must be ≥ 0 (0 = unlimited)")
+    if sum(tier.reserved_kv_fraction for tier in tiers) >= 1.0:
+        raise ConfigError("tiers: the reserved_kv_fraction values must sum to less than 1")
+    if config.default_tier not in names:
+        raise ConfigError(f"default_tier: {config.default_tier!r} is not a tier; tiers are {names}")
+    for i, key in enumerate(config.api_keys):
+        if key.tier not in names:
+            raise ConfigError(f"api_keys[{i}].tier: {key.tier!r} is not a tier; tiers are {names}")
+    if config.admission.aging_rate_per_s < 0:
+        raise ConfigError("admission.aging_rate_per_s: must be ≥ 0")
+    if config.admission.max_retry_after_s < 1 or config.admission.rate_window_s <= 0:
+        raise ConfigError("admission: max_retry_after_s must be ≥ 1 and rate_window_s > 0")
+    levels = {"elevated": config.pressure.elevated, "critical": config.pressure.critical}
+    for level_name, level in levels.items():
+        if level.leave_queue_wait_s > level.enter_queue_wait_s:
+            raise ConfigError(f"pressure.{level_name}.leave_queue_wait_s: must be ≤ enter_queue_wait_s")
+        if level.leave_kv_used_fraction > level.enter_kv_used_fraction:
+            raise ConfigError(f"pressure.{level_name}.leave_kv_used_fraction: must be ≤ enter_kv_used_fraction")
+        for field, tier_names in (
+            ("max_tokens_by_tier", level.max_tokens_by_tier),
+            ("queue_timeout_s_by_tier", level.queue_timeout_s_by_tier),
+            ("shed_tiers", level.shed_tiers),
+        ):
+            unknown = [name for name in tier_names if name not in names]
+            if unknown and config.pressure != PressureConfig():  # the defaults name the default tiers
+                raise ConfigError(f"pressure.{level_name}.{field}: unknown tiers {unknown}; tiers are {names}")
+    if config.pressure.critical.enter_queue_wait_s < config.pressure.elevated.enter_queue_wait_s:
+        raise ConfigError("pressure.critical.enter_queue_wait_s: must be ≥ pressure.elevated.enter_queue_wait_s")
+    if config.pressure.critical.enter_kv_used_fraction < config.pressure.elevated.enter_kv_used_fraction:
+        raise ConfigError(
+            "pressure.critical.enter_kv_used_fraction: must be ≥ pressure.elevated.enter_kv_used_fraction"
+        )
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, Any]]:

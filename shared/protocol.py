@@ -1,7 +1,8 @@
 """Wire protocol between gateway and workers (DESIGN.md, Wire protocol).
 
 Frames: a 4-byte big-endian unsigned length, then one msgpack-encoded message. Messages are msgspec
-``Struct``s with ``tag=True`` (a tagged union); hot messages are ``array_like=True``. New fields are only ever
+``Struct``s with ``tag=True`` (a tagged union), all ``array_like=True`` (msgspec requires one encoding
+per union; arrays are also the compact one for hot messages). New fields are only ever
 appended at the end, each with a default, so old peers keep decoding.
 
 One long-lived :class:`FrameCodec` (a typed encoder and decoder) per connection.
@@ -70,11 +71,11 @@ class Abort(msgspec.Struct, tag=True, array_like=True, frozen=True):
     request_id: str
 
 
-class Drain(msgspec.Struct, tag=True, frozen=True):
+class Drain(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """Take no new requests; finish the running ones."""
 
 
-class Ping(msgspec.Struct, tag=True, frozen=True):
+class Ping(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """Liveness probe; the worker answers with :class:`Pong`."""
 
     nonce: int = 0
@@ -86,7 +87,7 @@ GatewayMessage = Union[Generate, Abort, Drain, Ping]
 # ---------------------------------------------------------------- worker -> gateway
 
 
-class Hello(msgspec.Struct, tag=True, frozen=True):
+class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """First message of a worker on a new connection.
 
     Attributes:
@@ -150,7 +151,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True, frozen=True):
     message: str
 
 
-class Capacity(msgspec.Struct, tag=True, frozen=True):
+class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """The worker's state, sent every ``capacity_interval_s`` and when it changes.
 
     Attributes:
@@ -182,7 +183,7 @@ class Capacity(msgspec.Struct, tag=True, frozen=True):
     draining: bool = False
 
 
-class Pong(msgspec.Struct, tag=True, frozen=True):
+class Pong(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """Answer to :class:`Ping`."""
 
     nonce: int = 0

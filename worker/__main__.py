@@ -17,7 +17,7 @@ import uuid
 
 import structlog
 
-from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
+from shared.config import Config, ConfigError, effective_tiers, load_config, resolve_model_path, with_overrides
 from shared.protocol import Capacity, Hello
 
 log = structlog.get_logger("sluice.worker")
@@ -79,7 +79,7 @@ def build_worker(config: Config, worker_id: str):
         kv_cache = model.allocate_kv_cache(num_blocks, wc.block_size_tokens)
         runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device)
         device_name = str(device)
-        attention_name = model.attention_backend_name
+        attention_name = getattr(model.attention, "name", type(model.attention).__name__)
     max_model_len = min(config.model.max_model_len_tokens, spec.max_position_embeddings)
     kv_manager = KVCacheManager(num_blocks, wc.block_size_tokens, enable_prefix_caching=wc.enable_prefix_caching)
     scheduler = Scheduler(kv_manager, wc.max_num_seqs, wc.max_num_batched_tokens, max_model_len)
@@ -96,7 +96,7 @@ def build_worker(config: Config, worker_id: str):
         max_model_len_tokens=max_model_len,
         attention_backend=attention_name,
     )
-    tier_priority = {tier.name: tier.priority for tier in config.tiers}
+    tier_priority = {tier.name: tier.priority for tier in effective_tiers(config)}
 
     def capacity() -> Capacity:
         stats = scheduler.stats()

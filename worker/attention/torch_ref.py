@@ -19,6 +19,8 @@ Two paths:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,8 +39,9 @@ def paged_decode_attention_ref(
     """Attend one query token per sequence over its paged context (the reference for the CUDA kernel).
 
     Every sequence's context is the first ``context_lens[s]`` tokens named by its block table (the new token's K/V
-    must already be written). Pages of all sequences are gathered in one indexing op, padded to the longest
-    context; positions past a sequence's length are masked out before the softmax. Softmax runs in fp32.
+    must already be written). Pages are gathered with one ``index_select`` per pool (per chunk of sequences on the
+    CPU, see :class:`DecodeMeta`), padded to the longest context; positions past a sequence's length are masked
+    out before the softmax. All arithmetic runs in fp32. Reads ``context_lens`` on the host (one sync).
 
     Args:
         q: ``[num_seqs, num_heads, head_dim]`` (fp32/bf16/fp16), same device as the pool.
@@ -67,24 +70,131 @@ def paged_decode_attention_ref(
             f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
             f"do not match num_seqs={num_seqs}"
         )
-    lens = context_lens.to(torch.int64)
-    max_len = int(lens.max().item()) if num_seqs else 0
-    max_blocks = (max_len + block_size - 1) // block_size
+    lens_host = [int(n) for n in context_lens.tolist()]
+    max_blocks = (max(lens_host, default=0) + block_size - 1) // block_size
     if max_blocks > block_tables.shape[1]:
         raise ValueError(f"block_tables has {block_tables.shape[1]} columns, contexts need {max_blocks}")
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    meta = DecodeMeta.build(block_tables, context_lens, lens_host, k_cache)
+    return paged_decode_attention_with_meta(q, k_cache, v_cache, meta, scale)
+
+
+# Gathered K+V bytes per chunk of sequences on the CPU: small enough to stay in the last-level cache between the
+# gather and the two products. Measured on a 2-core EPYC (32 MiB L3), 32 seqs x 1024 tokens: attention alone 1.7x
+# faster than one chunk, the whole SmolLM2-135M decode step 584 -> 197 ms.
+CPU_DECODE_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class _DecodeChunk:
+    """Consecutive sequences ``[row_start, row_end)`` decoded together, padded to their longest context.
+
+    Attributes:
+        flat_block_ids: ``[(row_end - row_start) * max_blocks]`` int64, each row's first ``max_blocks`` block ids.
+        pad_mask: ``[row_end - row_start, 1, 1, max_blocks * block_size]`` bool, True past the row's context.
+    """
+
+    row_start: int
+    row_end: int
+    max_blocks: int
+    flat_block_ids: torch.Tensor
+    pad_mask: torch.Tensor
+
+
+class DecodeMeta:
+    """Per-step decode metadata shared by all layers (built once per step; no host sync per layer).
+
+    On the CPU the sequences are split into chunks whose gathered K/V fit ``CPU_DECODE_CHUNK_BYTES``, each padded
+    to its own longest context; on a GPU there is one chunk.
+
+    Attributes:
+        num_seqs: sequences in the step.
+        chunks: the chunks, in row order, covering all sequences.
+    """
+
+    def __init__(self, num_seqs: int, chunks: list[_DecodeChunk]) -> None:
+        self.num_seqs = num_seqs
+        self.chunks = chunks
+
+    @classmethod
+    def build(
+        cls, block_tables: torch.Tensor, context_lens: torch.Tensor, lens_host: list[int], pool: torch.Tensor
+    ) -> DecodeMeta:
+        """Build the chunks.
+
+        Args:
+            block_tables: ``[num_seqs, >= max_blocks]`` int32.
+            context_lens: ``[num_seqs]`` int32, on the pool's device.
+            lens_host: the same lengths as host ints.
+            pool: one layer's K pool ``[num_blocks, num_kv_heads, block_size, head_dim]`` (for sizes and device).
+        """
+        num_seqs = len(lens_host)
+        block_size = pool.shape[2]
+        block_kv_bytes = 2 * pool[0].numel() * pool.element_size()
+        budget_bytes = CPU_DECODE_CHUNK_BYTES if pool.device.type == "cpu" else None
+        blocks_per_seq = [(n + block_size - 1) // block_size for n in lens_host]
+        bounds: list[tuple[int, int, int]] = []
+        row_start, chunk_blocks = 0, 0
+        for row, num_blocks in enumerate(blocks_per_seq):
+            grown = max(chunk_blocks, num_blocks)
+            too_big = budget_bytes is not None and (row - row_start + 1) * grown * block_kv_bytes > budget_bytes
+            if row > row_start and too_big:
+                bounds.append((row_start, row, chunk_blocks))
+                row_start, grown = row, num_blocks
+            chunk_blocks = grown
+        bounds.append((row_start, num_seqs, chunk_blocks))
+        lens = context_lens.to(torch.int64)
+        chunks = []
+        for start, end, max_blocks in bounds:
+            flat = block_tables[start:end, :max_blocks].reshape(-1).to(torch.int64)
+            positions = torch.arange(max_blocks * block_size, device=block_tables.device)
+            pad = positions[None, :] >= lens[start:end, None]
+            chunks.append(_DecodeChunk(start, end, max_blocks, flat, pad[:, None, None, :]))
+        return cls(num_seqs, chunks)
+
+
+def _decode_chunk(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: _DecodeChunk, scale: float
+) -> torch.Tensor:
+    """Decode attention of ``q [num_chunk_seqs, num_heads, head_dim]`` over one chunk's gathered blocks."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    tables = block_tables[:, :max_blocks].to(torch.int64)
-    # [num_seqs, max_blocks, kv, bs, d] -> [num_seqs, kv, max_blocks * bs, d]
-    k = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
-    v = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-    # [num_seqs, kv, group, ctx]
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
-    pad = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    max_blocks = chunk.max_blocks
+    gathered_shape = (num_seqs, max_blocks, num_kv_heads, block_size, head_dim)
+    k = k_cache.index_select(0, chunk.flat_block_ids).view(gathered_shape).float()
+    v = v_cache.index_select(0, chunk.flat_block_ids).view(gathered_shape).float()
+    qg = (q.float() * scale).view(num_seqs, 1, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [num_seqs, max_blocks, kv, group, bs]
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group, max_blocks * block_size)
+    scores.masked_fill_(chunk.pad_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())
+    probs = probs.view(num_seqs, num_kv_heads, group, max_blocks, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, v).sum(dim=1)  # [num_seqs, kv, group, d]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_decode_attention_with_meta(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMeta, scale: float
+) -> torch.Tensor:
+    """Decode attention with prebuilt :class:`DecodeMeta` (the body of :func:`paged_decode_attention_ref`).
+
+    Per chunk, gathers whole blocks with one ``index_select`` per pool (contiguous ``[kv, bs, d]`` pages, no
+    permute copy) and keeps the block axis through the QK and PV products::
+
+        k: [num_seqs, max_blocks, kv, bs, d]   q: [num_seqs, 1, kv, group, d]
+        scores = q @ k^T -> [num_seqs, max_blocks, kv, group, bs] -> softmax over (max_blocks, bs)
+        out = sum over max_blocks of (probs @ v) -> [num_seqs, kv, group, d]
+    """
+    if len(meta.chunks) == 1:
+        return _decode_chunk(q, k_cache, v_cache, meta.chunks[0], scale)
+    out = torch.empty_like(q)
+    for chunk in meta.chunks:
+        out[chunk.row_start : chunk.row_end] = _decode_chunk(
+            q[chunk.row_start : chunk.row_end], k_cache, v_cache, chunk, scale
+        )
+    return out
 
 
 def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -101,3 +211,121 @@ def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     # Advanced indices split by a slice: the indexed view is [num_tokens, num_kv_heads, head_dim], like k and v.
     layer_kv[0][block_ids, :, offsets] = k
     layer_kv[1][block_ids, :, offsets] = v
+
+
+def _causal_offset_mask(num_new: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Return ``[num_new, context_len]`` bool: query ``i`` (position ``context_len - num_new + i``) sees ``j <= p``."""
+    query_pos = torch.arange(context_len - num_new, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= query_pos[:, None]
+
+
+class _StepPlan:
+    """Per-step metadata shared by all layers: which rows decode (one vectorised call), which are prefill chunks.
+
+    Attributes:
+        all_decode: every sequence has one new token (``forward`` returns the decode output directly).
+        decode_rows: ``[num_decode]`` int64 token rows of the one-token sequences, or None when all or none are.
+        decode_meta: :class:`DecodeMeta` of the one-token sequences, or None when there are none.
+        prefills: per multi-token chunk ``(first row, end row, context_len, block ids [num_ctx_blocks] int64,
+            causal offset mask [n, context_len] bool or None when the chunk is the whole context)``.
+    """
+
+    def __init__(self, batch: ForwardBatch, pool: torch.Tensor) -> None:
+        block_size = pool.shape[2]
+        qsl = batch.query_start_loc
+        device = batch.block_tables.device
+        decode_seqs = [s for s in range(batch.num_seqs) if qsl[s + 1] - qsl[s] == 1]
+        self.all_decode = len(decode_seqs) == batch.num_seqs
+        self.decode_rows: torch.Tensor | None = None
+        self.decode_meta: DecodeMeta | None = None
+        if self.all_decode:
+            self.decode_meta = DecodeMeta.build(batch.block_tables, batch.context_lens, batch.seq_lens, pool)
+        elif decode_seqs:
+            index = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
+            self.decode_rows = torch.tensor([qsl[s] for s in decode_seqs], dtype=torch.int64, device=device)
+            self.decode_meta = DecodeMeta.build(
+                batch.block_tables.index_select(0, index),
+                batch.context_lens.index_select(0, index),
+                [batch.seq_lens[s] for s in decode_seqs],
+                pool,
+            )
+        self.prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
+        for s in range(batch.num_seqs):
+            start, end = qsl[s], qsl[s + 1]
+            if end - start == 1:
+                continue
+            context_len = batch.seq_lens[s]
+            num_blocks = (context_len + block_size - 1) // block_size
+            blocks = batch.block_tables[s, :num_blocks].to(torch.int64)
+            mask = None if end - start == context_len else _causal_offset_mask(end - start, context_len, device)
+            self.prefills.append((start, end, context_len, blocks, mask))
+
+
+def _gather_context(pool: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
+    """Return ``[num_kv_heads, context_len, head_dim]`` of one sequence from ``pool [num_blocks, kv, bs, d]``."""
+    num_kv_heads, head_dim = pool.shape[1], pool.shape[3]
+    pages = pool.index_select(0, blocks)  # [num_ctx_blocks, kv, bs, d]
+    return pages.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention in torch: vectorised decode, per-sequence SDPA for prefill chunks.
+
+    A chunk that is its sequence's whole context (no cached prefix) attends over its own ``k``/``v`` with
+    ``is_causal``; a chunk after a cached prefix gathers the context from the pool and uses the causal offset mask.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._plan: _StepPlan | None = None
+        self._plan_batch: ForwardBatch | None = None
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        """Forget the previous step's plan; the new one is built at the first layer (it needs the pool's sizes)."""
+        self._plan = None
+        self._plan_batch = batch
+
+    def _plan_for(self, batch: ForwardBatch, pool: torch.Tensor) -> _StepPlan:
+        if self._plan is None or self._plan_batch is not batch:
+            self._plan = _StepPlan(batch, pool)
+            self._plan_batch = batch
+        return self._plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_kv: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write K/V, then attend (see :meth:`AttentionBackend.forward`)."""
+        write_kv(layer_kv, k, v, batch.slot_mapping)
+        num_kv_heads = layer_kv.shape[2]
+        k_cache, v_cache = layer_kv[0], layer_kv[1]
+        plan = self._plan_for(batch, k_cache)
+        if plan.all_decode:
+            return paged_decode_attention_with_meta(q, k_cache, v_cache, plan.decode_meta, scale)
+        out = torch.empty_like(q)
+        if plan.decode_meta is not None:
+            q_decode = q.index_select(0, plan.decode_rows)
+            out_decode = paged_decode_attention_with_meta(q_decode, k_cache, v_cache, plan.decode_meta, scale)
+            out.index_copy_(0, plan.decode_rows, out_decode)
+        group = q.shape[1] // num_kv_heads
+        for start, end, context_len, blocks, mask in plan.prefills:
+            if mask is None:
+                k_ctx, v_ctx = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            else:
+                k_ctx = _gather_context(k_cache, blocks, context_len)
+                v_ctx = _gather_context(v_cache, blocks, context_len)
+            if group > 1:
+                k_ctx = k_ctx.repeat_interleave(group, dim=0)
+                v_ctx = v_ctx.repeat_interleave(group, dim=0)
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None, scale=scale
+            )  # [num_heads, n, d]
+            out[start:end] = o.transpose(0, 1)
+        return out

@@ -12,6 +12,9 @@ names the valid choices on an unknown name.
 from __future__ import annotations
 
 import abc
+import bisect
+import heapq
+import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -30,6 +33,12 @@ class BlockMeta(msgspec.Struct, kw_only=True):
         last_access_s: last time a request used the block, on the policy clock (seconds).
         num_hits: how many times a later request reused the block from the cache.
         is_chain_tail: the block was the last full block of the request that cached it.
+        is_partial: the block holds a prompt's last, partial block (fewer than ``block_size`` tokens of the prompt);
+            a later prompt that extends the text hashes it differently, so it almost never matches again
+            (Mooncake conversation trace: 1.0% of them are reused, against 24% of all blocks).
+        num_request_blocks: blocks of the prompt of the request that last released the block (0 = unknown).
+        num_request_cached_blocks: how many of those leading blocks that request found in the cache (prefix hit
+            length in blocks; 0 = a fresh conversation or unknown).
     """
 
     block_hash: int
@@ -40,6 +49,9 @@ class BlockMeta(msgspec.Struct, kw_only=True):
     last_access_s: float = 0.0
     num_hits: int = 0
     is_chain_tail: bool = False
+    is_partial: bool = False
+    num_request_blocks: int = 0
+    num_request_cached_blocks: int = 0
 
 
 class EvictionPolicy(abc.ABC):
@@ -98,8 +110,284 @@ class LRUPolicy(EvictionPolicy):
         return block_id in self._order
 
 
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used first, with dynamic aging: LFU-DA (Arlitt et al., "Evaluating content management
+    techniques for Web proxy caches", 2000; GDSF with unit size and cost).
+
+    A block's key is ``L + frequency`` where ``frequency = num_hits + 1`` when it becomes evictable and ``L`` (the
+    inflation value) is the key of the last victim. ``L`` only grows, so a block that was popular long ago ages
+    out instead of squatting forever (plain LFU's pollution). Ties go to the block made evictable first (a chain
+    is freed tail first, so its tail goes before its head). Heap with lazy deletion: O(log n) per operation.
+    """
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, int]] = []  # (key, insertion seq, block_id)
+        self._entry: dict[int, tuple[float, int]] = {}  # block_id -> live (key, seq)
+        self._seq = 0
+        self.inflation = 0.0  # L of LFU-DA: key of the last victim
+
+    def insert(self, block_id: int, meta: BlockMeta, now_s: float) -> None:
+        key = self.inflation + meta.num_hits + 1
+        self._seq += 1
+        self._entry[block_id] = (key, self._seq)
+        heapq.heappush(self._heap, (key, self._seq, block_id))
+
+    def remove(self, block_id: int) -> None:
+        del self._entry[block_id]
+
+    def pop_victim(self, now_s: float) -> int | None:
+        while self._heap:
+            key, seq, block_id = heapq.heappop(self._heap)
+            if self._entry.get(block_id) == (key, seq):
+                del self._entry[block_id]
+                self.inflation = key
+                return block_id
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._entry
+
+
+class TTLPolicy(EvictionPolicy):
+    """Expired blocks first (earliest deadline first), then least recently used.
+
+    A block's deadline is ``BlockMeta.expires_at_s`` (the request's retention wish bounded by its tier, set by the
+    manager); ``inf`` never expires and only leaves in LRU order. An LRU ``OrderedDict`` plus a heap of deadlines
+    with lazy deletion: O(log n).
+    """
+
+    name = "ttl"
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, int] = OrderedDict()  # block_id -> insertion seq
+        self._deadlines: list[tuple[float, int, int]] = []  # (expires_at_s, seq, block_id)
+        self._seq = 0
+
+    def insert(self, block_id: int, meta: BlockMeta, now_s: float) -> None:
+        self._seq += 1
+        self._lru[block_id] = self._seq
+        if meta.expires_at_s != float("inf"):
+            heapq.heappush(self._deadlines, (meta.expires_at_s, self._seq, block_id))
+
+    def remove(self, block_id: int) -> None:
+        del self._lru[block_id]
+
+    def pop_victim(self, now_s: float) -> int | None:
+        while self._deadlines:
+            expires_at_s, seq, block_id = self._deadlines[0]
+            if self._lru.get(block_id) != seq:
+                heapq.heappop(self._deadlines)  # stale: reused or evicted since
+                continue
+            if expires_at_s > now_s:
+                break
+            heapq.heappop(self._deadlines)
+            del self._lru[block_id]
+            return block_id
+        if not self._lru:
+            return None
+        block_id, _ = self._lru.popitem(last=False)
+        return block_id
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._lru
+
+
+class TierPolicy(EvictionPolicy):
+    """Blocks of lower tiers go first (``BlockMeta.tier_priority`` ascending), then least recently used within a
+    tier. One LRU ``OrderedDict`` per priority; O(number of tiers) per eviction, O(1) otherwise.
+    """
+
+    name = "tier"
+
+    def __init__(self) -> None:
+        self._by_priority: dict[int, OrderedDict[int, None]] = {}
+        self._priorities: list[int] = []  # sorted ascending
+        self._priority_of: dict[int, int] = {}  # block_id -> tier_priority
+
+    def insert(self, block_id: int, meta: BlockMeta, now_s: float) -> None:
+        priority = meta.tier_priority
+        queue = self._by_priority.get(priority)
+        if queue is None:
+            queue = self._by_priority[priority] = OrderedDict()
+            bisect.insort(self._priorities, priority)
+        queue[block_id] = None
+        self._priority_of[block_id] = priority
+
+    def remove(self, block_id: int) -> None:
+        priority = self._priority_of.pop(block_id)
+        del self._by_priority[priority][block_id]
+
+    def pop_victim(self, now_s: float) -> int | None:
+        for priority in self._priorities:
+            queue = self._by_priority[priority]
+            if queue:
+                block_id, _ = queue.popitem(last=False)
+                del self._priority_of[block_id]
+                return block_id
+        return None
+
+    def __len__(self) -> int:
+        return len(self._priority_of)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._priority_of
+
+
+def _size_bucket(num_blocks: int) -> int:
+    """Round a block count up to a power of two (1, 2, 4, …, 128), larger counts to 256."""
+    for bucket in (1, 2, 4, 8, 16, 32, 64, 128):
+        if num_blocks <= bucket:
+            return bucket
+    return 256
+
+
+class SluicePolicy(EvictionPolicy):
+    """Return-aware eviction: keep a block as long as its *class* makes a return likely; learned online.
+
+    Designed from the Mooncake conversation trace (FAST'25; 512-token blocks, block 0 left out), where the chance
+    that a cached block is ever used again depends on what kind of block it is far more than on its recency:
+
+    ============================================================  ===========
+    block kind (when it becomes evictable)                        reused later
+    ============================================================  ===========
+    partial last block of a prompt                                1%
+    new block of a fresh conversation, prompt ≤ 16 blocks          34%
+    new block of a fresh conversation, prompt > 128 blocks         20%
+    new block of a returning conversation that added ≤ 4 blocks    54%
+    new block of a returning conversation that added 17–64 blocks  9%
+    block already used 2 / 3 / ≥ 4 times                          42% / 50% / 70%
+    ============================================================  ===========
+
+    So each block gets a class when it becomes evictable: ``partial``; ``("used", min(uses, 4))`` for a block
+    used more than once; ``("new", returning, bucket(new blocks of its request))`` otherwise. ``uses`` counts
+    uses across evictions: an evicted block's hash stays in a ghost list (as in ARC, Megiddo & Modha 2003) for
+    ``ghost_factor ×`` the evictable count, so a chain that comes back after eviction is recognised as returning.
+    The policy learns each class's reuse probability ``p_c = (reuses + prior·n0) / (outcomes + n0)``: a reuse is
+    a prefix hit (``remove``) or a ghost hit (re-``insert`` of a hash evicted recently); a non-reuse is a ghost
+    entry that ages out.
+
+    Ordering: with reuse gaps roughly exponential with mean ``H``, a block of class ``c`` idle for ``a`` seconds
+    will be reused at a rate ``∝ p_c · exp(-a / H)``; evicting the lowest rate first is evicting the smallest
+    ``last_use_s + H · ln p_c`` (a one-parameter form of hit-density eviction, LHD, Beckmann et al., NSDI'18).
+    ``H = 300 s`` matches the trace's median reuse gap (~150 s) and was the best of 100–400 s. Ties (one request's
+    blocks) go deepest block first, so a chain is cut from its tail and its shared prefix survives longest.
+    Heap with lazy deletion: O(log n) per operation; class tables are O(1).
+
+    Args:
+        horizon_s: ``H``, seconds of idle time worth a factor ``e`` in reuse probability.
+        ghost_factor: ghost list size as a multiple of the evictable block count.
+        prior_reuse: reuse probability a class starts from.
+        prior_weight: ``n0``, pseudo-observations behind the prior.
+        partial_prior_reuse: the prior of the ``partial`` class: a partial block only matches a byte-identical
+            prompt, so it starts near zero instead of at ``prior_reuse``.
+    """
+
+    name = "sluice"
+
+    def __init__(self, horizon_s: float = 300.0, ghost_factor: float = 2.0, prior_reuse: float = 0.25,
+                 prior_weight: float = 20.0, partial_prior_reuse: float = 0.02) -> None:
+        if (horizon_s <= 0 or ghost_factor < 0 or not 0.0 < prior_reuse <= 1.0 or prior_weight <= 0
+                or not 0.0 < partial_prior_reuse <= 1.0):
+            raise ValueError("sluice policy: horizon_s > 0, ghost_factor >= 0, 0 < prior_reuse <= 1, "
+                             "prior_weight > 0, 0 < partial_prior_reuse <= 1")
+        self.horizon_s = horizon_s
+        self.ghost_factor = ghost_factor
+        self.prior_reuse = prior_reuse
+        self.prior_weight = prior_weight
+        self.partial_prior_reuse = partial_prior_reuse
+        self.num_reuses: dict[tuple, int] = {}  # class -> observed reuses
+        self.num_outcomes: dict[tuple, int] = {}  # class -> observed reuses + observed non-reuses
+        self._heap: list[tuple[float, int, int, int]] = []  # (key_s, -block_idx, seq, block_id)
+        self._entry: dict[int, tuple[float, int, int]] = {}  # evictable block_id -> live (key_s, -block_idx, seq)
+        self._class_of: dict[int, tuple] = {}  # evictable block_id -> class at insert
+        self._hash_of: dict[int, int] = {}  # evictable block_id -> block_hash
+        self._uses: dict[int, int] = {}  # cached block_id (evictable or in use) -> uses so far
+        self._ghost: OrderedDict[int, tuple[tuple, int]] = OrderedDict()  # evicted hash -> (class, uses)
+        self._seq = 0
+
+    def reuse_probability(self, block_class: tuple) -> float:
+        """Return the learned reuse probability of a class (the prior before any observation)."""
+        reuses = self.num_reuses.get(block_class, 0)
+        outcomes = self.num_outcomes.get(block_class, 0)
+        prior = self.partial_prior_reuse if block_class == ("partial",) else self.prior_reuse
+        return (reuses + prior * self.prior_weight) / (outcomes + self.prior_weight)
+
+    @staticmethod
+    def classify(meta: BlockMeta, uses: int) -> tuple:
+        """Return the class of a block that has been used ``uses`` times (this use included)."""
+        if meta.is_partial:
+            return ("partial",)
+        if uses >= 2:
+            return ("used", min(uses, 4))
+        num_new_blocks = max(meta.num_request_blocks - meta.num_request_cached_blocks, 0)
+        return ("new", meta.num_request_cached_blocks > 0, _size_bucket(num_new_blocks))
+
+    def _observe(self, block_class: tuple, reused: bool) -> None:
+        self.num_outcomes[block_class] = self.num_outcomes.get(block_class, 0) + 1
+        if reused:
+            self.num_reuses[block_class] = self.num_reuses.get(block_class, 0) + 1
+
+    def insert(self, block_id: int, meta: BlockMeta, now_s: float) -> None:
+        if block_id in self._uses:  # back from a request that reused it
+            uses = self._uses[block_id] + 1
+        else:
+            ghost = self._ghost.pop(meta.block_hash, None)
+            if ghost is not None:  # evicted earlier and needed again: a miss that proves its class returns
+                self._observe(ghost[0], reused=True)
+                uses = ghost[1] + 1
+            else:
+                uses = 1
+        block_class = self.classify(meta, uses)
+        key_s = now_s + self.horizon_s * math.log(max(self.reuse_probability(block_class), 1e-6))
+        self._seq += 1
+        entry = (key_s, -meta.block_idx, self._seq)
+        self._entry[block_id] = entry
+        self._class_of[block_id] = block_class
+        self._hash_of[block_id] = meta.block_hash
+        self._uses[block_id] = uses
+        heapq.heappush(self._heap, (*entry, block_id))
+
+    def remove(self, block_id: int) -> None:
+        del self._entry[block_id]
+        del self._hash_of[block_id]
+        self._observe(self._class_of.pop(block_id), reused=True)
+
+    def pop_victim(self, now_s: float) -> int | None:
+        while self._heap:
+            key_s, neg_idx, seq, block_id = heapq.heappop(self._heap)
+            if self._entry.get(block_id) != (key_s, neg_idx, seq):
+                continue
+            del self._entry[block_id]
+            block_class = self._class_of.pop(block_id)
+            self._ghost[self._hash_of.pop(block_id)] = (block_class, self._uses.pop(block_id))
+            max_ghosts = int(self.ghost_factor * len(self._entry))
+            while len(self._ghost) > max_ghosts:
+                _, (old_class, _) = self._ghost.popitem(last=False)
+                self._observe(old_class, reused=False)
+            return block_id
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._entry
+
+
 _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "ttl": TTLPolicy,
+    "tier": TierPolicy,
+    "sluice": SluicePolicy,
 }
 
 
@@ -123,3 +411,69 @@ def make_policy(name: str) -> EvictionPolicy:
         return _POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; valid: {', '.join(policy_names())}") from None
+
+
+PRESSURE_LEVELS = ("normal", "elevated", "critical")
+
+
+class RetentionSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How long the prefix cache keeps blocks at one pressure level (DESIGN.md, KV cache; issue 4).
+
+    Attributes:
+        eviction_policy: policy name to switch to at this level; "" keeps the configured one.
+        ttl_scale: factor applied to every retention wish (request TTL bounded by its tier), 0–1.
+        max_ttl_s: ceiling on any block's retention in seconds at this level.
+        min_retained_tier_priority: blocks of tiers with a lower priority expire as soon as they are released
+            (retention only for the top tiers).
+        min_cached_tier_priority: new requests of tiers with a lower priority do not enter the prefix cache at all
+            (no-cache mode); their blocks go straight back to the free list.
+    """
+
+    eviction_policy: str = ""
+    ttl_scale: float = 1.0
+    max_ttl_s: float = float("inf")
+    min_retained_tier_priority: int = -(2**31)
+    min_cached_tier_priority: int = -(2**31)
+
+
+class RetentionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Retention settings per pressure level; ``normal`` applies the tiers' own settings unchanged.
+
+    The defaults match the default tiers (vip 3, standard 2, free 1, batch 0).
+    """
+
+    normal: RetentionSettings = RetentionSettings()
+    elevated: RetentionSettings = RetentionSettings(ttl_scale=0.5, max_ttl_s=300.0, min_retained_tier_priority=1)
+    critical: RetentionSettings = RetentionSettings(eviction_policy="tier", ttl_scale=0.25, max_ttl_s=60.0,
+                                                    min_retained_tier_priority=2, min_cached_tier_priority=1)
+
+
+def retention_for_pressure(level: str, config: RetentionConfig = RetentionConfig()) -> RetentionSettings:
+    """Return the retention settings to apply at pressure ``level``.
+
+    Raises:
+        ValueError: unknown level; the message lists the valid ones.
+    """
+    if level not in PRESSURE_LEVELS:
+        raise ValueError(f"unknown pressure level {level!r}; valid: {', '.join(PRESSURE_LEVELS)}")
+    return getattr(config, level)
+
+
+def block_expiry_s(settings: RetentionSettings, tier_priority: int, retention_s: float, now_s: float) -> float:
+    """Return the ``BlockMeta.expires_at_s`` of a block released at ``now_s`` under ``settings``.
+
+    Args:
+        settings: the current level's settings (:func:`retention_for_pressure`).
+        tier_priority: priority of the tier of the request releasing the block.
+        retention_s: the request's retention wish in seconds, already bounded by its tier (``inf`` = none).
+        now_s: release time on the policy clock, seconds.
+    """
+    if tier_priority < settings.min_retained_tier_priority:
+        return now_s
+    scaled_s = retention_s * settings.ttl_scale if settings.ttl_scale > 0 else 0.0  # inf × 0 would be nan
+    return now_s + min(scaled_s, settings.max_ttl_s)
+
+
+def caches_new_request(settings: RetentionSettings, tier_priority: int) -> bool:
+    """Whether a request of a tier with ``tier_priority`` admitted now may put its blocks in the prefix cache."""
+    return tier_priority >= settings.min_cached_tier_priority

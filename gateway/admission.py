@@ -1,0 +1,709 @@
+"""Admission control: tiered queues, deadlines, early rejection, reserved shares (DESIGN.md, step 5).
+
+One bounded FIFO queue per tier. A request is dispatched when the capacity view (the gateway's worker pool) finds a
+worker with room for its KV demand — prompt + capped output tokens, in blocks — and below its ``max_num_seqs``.
+Which waiting request goes first is a small policy chosen by name (``admission.order_policy``):
+
+- ``priority_aging``: strict priority with aging. Effective priority = tier priority + seconds waited ×
+  ``aging_rate_per_s``, the classic cure for starvation under priority scheduling (aging, as in Silberschatz,
+  Galvin & Gagne, "Operating System Concepts", CPU scheduling). A low tier still moves; a fresh top-tier request
+  goes ahead of every low-tier request that has not waited long (BC28).
+- ``fifo``: arrival order across tiers (the benchmark baseline).
+
+Dispatch is strict: when the request that should go next does not fit on any worker, nobody behind it jumps ahead,
+so freed capacity goes to it first ("starts within one worker step of capacity freeing", BC28). Only a request
+held back by a **reserved share** is stepped over: tier T's ``reserved_kv_fraction`` of the pool's KV blocks is
+kept for it, and lower-priority tiers may not take the part of it that T is not using.
+
+Shedding, every case an :class:`~shared.errors.SluiceError` with ``retry_after_s`` (integer ≥ 1):
+
+============================  ======  ===================================================================
+cause                         status  when
+============================  ======  ===================================================================
+``rate_limit_exceeded``       429     the API key exceeds its requests/tokens per minute (at arrival)
+``server_overloaded``         503     the pressure level sheds the tier (at arrival, and queued ones)
+``queue_full``                503     the tier's queue holds ``queue_capacity`` requests (at arrival)
+``predicted_queue_timeout``   503     predicted wait > the tier's deadline (at arrival; Mooncake, FAST'25)
+``queue_timeout``             503     waited past the tier's ``queue_timeout_s`` (timeout circuit breaking)
+``no_worker_available``       503     the capacity view has no worker at all (at arrival)
+``server_draining``           503     the gateway is shutting down
+============================  ======  ===================================================================
+
+Predicted wait (prediction-based early rejection, after Qin et al., "Mooncake: Trading More Storage for Less
+Computation — A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): tokens of work ahead of
+the request — the expected prompt + output tokens of everything queued in its tier and higher tiers — ÷ the
+measured drain rate in tokens/s (the workers' decode + prefill rate from their capacity reports; when they report
+none yet, the rate at which admission has been dispatching work over ``admission.rate_window_s``). Expected output
+is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished requests actually produced.
+``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
+pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
+bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
+[1, ``admission.max_retry_after_s``].
+
+Per request, the gateway calls::
+
+    ticket = controller.make_ticket_for(principal, prompt_token_ids, max_tokens)
+    try:
+        reservation = await controller.admit(ticket)  # waits; raises SluiceError when shed
+        ...send to the worker the reservation names; ticket.queue_wait_s for x-sluice-queue-ms...
+    finally:
+        controller.release(ticket, completion_tokens)  # always; a no-op unless admitted
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import itertools
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gateway.pressure import PressureLevel, PressureMonitor
+from gateway.ratelimit import RateLimiter, TokenBucketRateLimiter
+from shared.config import Config, ConfigError, TierConfig, effective_tiers, validate_admission_config
+from shared.errors import ErrorCode, SluiceError
+
+if TYPE_CHECKING:
+    from gateway.tiers import Principal
+
+ANONYMOUS_KEY = "anonymous"
+# Weight of one finished request in the running mean of (completion tokens ÷ max_tokens).
+_OUTPUT_FRACTION_EWMA_WEIGHT = 0.05
+
+
+class CapacityView(Protocol):
+    """What admission needs from the worker pool (implemented by the gateway's ``WorkerPool``).
+
+    Every method is synchronous and cheap: admission calls them on the event loop while dispatching.
+    """
+
+    def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int]) -> object | None:
+        """Pick a worker (closed breaker, ``demand_blocks`` KV blocks free, running < max_num_seqs; route by
+        cached prefix, then most free KV) and hold ``demand_blocks`` on it until :meth:`release`.
+
+        Returns:
+            An opaque reservation naming the worker, or None when no worker has room now.
+        """
+
+    def release(self, reservation: object) -> None:
+        """Give back a reservation returned by :meth:`try_reserve` (the request finished or never ran)."""
+
+    def total_kv_blocks(self) -> int:
+        """Return KV blocks over the workers that can take requests now; 0 means no worker is available."""
+
+    def block_size_tokens(self) -> int:
+        """Return tokens per KV block."""
+
+    def drain_rate_tokens_per_s(self) -> float:
+        """Return the measured decode + prefill tokens/s summed over the workers (0.0 when unknown)."""
+
+    def kv_used_fraction(self) -> float:
+        """Return used ÷ total KV blocks over the workers, 0–1: blocks held by sequences (not the evictable prefix
+        cache) per the latest reports, plus reservations not yet reflected in a report."""
+
+
+class TicketState(str, enum.Enum):
+    """Where a ticket is in its life."""
+
+    NEW = "new"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place in admission. Made by :meth:`AdmissionController.make_ticket`.
+
+    Attributes:
+        ticket_id: unique and increasing in arrival order.
+        tier: the tier the request is served in.
+        prompt_token_ids: the prompt, for prefix-aware routing.
+        max_tokens: the capped output budget (``gateway.caps``).
+        demand_blocks: KV blocks the request may need: ceil((prompt + max_tokens) ÷ block size).
+        rate_limit_key, rpm_limit, tpm_limit: per-key limits (0 = unlimited).
+        arrival_s: clock time of ``make_ticket``.
+        enqueued_s, deadline_s, admitted_s: clock times, None until they happen.
+        reservation: the capacity view's reservation once admitted.
+        state: see :class:`TicketState`.
+        expected_work_tokens: prompt + the output expected from the measured fraction of ``max_tokens`` used, in
+            tokens: what this request adds to the predicted wait of those behind it.
+    """
+
+    ticket_id: int
+    tier: TierConfig
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    demand_blocks: int
+    rate_limit_key: str
+    rpm_limit: int
+    tpm_limit: int
+    arrival_s: float
+    enqueued_s: float | None = None
+    deadline_s: float | None = None
+    admitted_s: float | None = None
+    reservation: object | None = None
+    state: TicketState = TicketState.NEW
+    expected_work_tokens: float = 0.0
+    _future: asyncio.Future[object] | None = field(default=None, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Return the prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Return the seconds spent queued (arrival → admission); 0.0 before admission."""
+        return 0.0 if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+
+class DispatchOrder(abc.ABC):
+    """Which waiting request goes next: the candidate with the highest :meth:`score` (ties: older ticket)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def score(self, ticket: Ticket, now_s: float) -> float:
+        """Return the ticket's rank now; higher goes first."""
+
+
+class PriorityAgingOrder(DispatchOrder):
+    """Strict priority with aging: priority + seconds waited × ``aging_rate_per_s``."""
+
+    name = "priority_aging"
+
+    def __init__(self, aging_rate_per_s: float) -> None:
+        self.aging_rate_per_s = aging_rate_per_s
+
+    def score(self, ticket: Ticket, now_s: float) -> float:
+        """See :meth:`DispatchOrder.score`."""
+        waited_s = now_s - (ticket.enqueued_s if ticket.enqueued_s is not None else now_s)
+        return ticket.tier.priority + waited_s * self.aging_rate_per_s
+
+
+class FifoOrder(DispatchOrder):
+    """Arrival order across all tiers."""
+
+    name = "fifo"
+
+    def score(self, ticket: Ticket, now_s: float) -> float:
+        """See :meth:`DispatchOrder.score`."""
+        return -(ticket.enqueued_s if ticket.enqueued_s is not None else now_s)
+
+
+def make_dispatch_order(name: str, aging_rate_per_s: float) -> DispatchOrder:
+    """Return the dispatch order called ``name``.
+
+    Raises:
+        ConfigError: an unknown name; the message lists the valid ones.
+    """
+    if name == PriorityAgingOrder.name:
+        return PriorityAgingOrder(aging_rate_per_s)
+    if name == FifoOrder.name:
+        return FifoOrder()
+    raise ConfigError(
+        f"admission.order_policy: unknown policy {name!r}; valid: {PriorityAgingOrder.name}, {FifoOrder.name}"
+    )
+
+
+class _TierQueue:
+    """One tier's queue and its counters."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self.tickets: dict[int, Ticket] = {}  # insertion-ordered FIFO with O(1) removal from the middle
+        self.queued_work_tokens = 0.0
+        self.num_in_flight = 0
+        self.in_flight_blocks = 0
+        self.num_admitted = 0
+        self.num_rejected: Counter[str] = Counter()
+        self.num_cancelled = 0
+        self.dispatch_times_s: deque[float] = deque()
+
+    def head(self) -> Ticket | None:
+        return next(iter(self.tickets.values()), None)
+
+    def push(self, ticket: Ticket) -> None:
+        self.tickets[ticket.ticket_id] = ticket
+        self.queued_work_tokens += ticket.expected_work_tokens
+
+    def remove(self, ticket: Ticket) -> bool:
+        if self.tickets.pop(ticket.ticket_id, None) is None:
+            return False
+        self.queued_work_tokens = max(0.0, self.queued_work_tokens - ticket.expected_work_tokens)
+        if not self.tickets:
+            self.queued_work_tokens = 0.0  # no float drift
+        return True
+
+
+class AdmissionController:
+    """Tiered admission queues in front of the workers; see the module docstring for the rules.
+
+    Args:
+        config: tiers, admission and pressure settings.
+        view: the worker pool's capacity view.
+        pressure: the pressure monitor shared with output caps; None = a new one from ``config.pressure``.
+        limiter: per-key rate limiter; None = an in-process token bucket.
+        clock: monotonic time in seconds (injectable for tests; must be the event loop's time base in production
+            because deadlines are awaited with real timers).
+
+    Raises:
+        ConfigError: inconsistent tiers/pressure config, or an unknown ``admission.order_policy``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        view: CapacityView,
+        pressure: PressureMonitor | None = None,
+        limiter: RateLimiter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        validate_admission_config(config)
+        self._config = config
+        self._admission = config.admission
+        self._enabled = config.admission.enabled
+        self._view = view
+        self._clock = clock
+        self.pressure = pressure if pressure is not None else PressureMonitor(config.pressure, clock)
+        self._limiter = limiter if limiter is not None else TokenBucketRateLimiter(clock)
+        order_name = config.admission.order_policy if self._enabled else FifoOrder.name
+        self._order = make_dispatch_order(order_name, config.admission.aging_rate_per_s)
+        tiers = sorted(effective_tiers(config), key=lambda tier: -tier.priority)
+        self._queues: dict[str, _TierQueue] = {tier.name: _TierQueue(tier) for tier in tiers}
+        self._total_queue_capacity = sum(tier.queue_capacity for tier in tiers)
+        self._ticket_ids = itertools.count(1)
+        self._started_s = clock()
+        self._dispatch_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per dispatch
+        self._output_fraction = 1.0
+        self._draining = False
+        self._dispatching = False
+        self._dispatch_requested = False
+
+    # ----------------------------------------------------------------------------------------------- per request
+
+    def make_ticket(
+        self,
+        tier: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        rate_limit_key: str = ANONYMOUS_KEY,
+        rpm_limit: int = 0,
+        tpm_limit: int = 0,
+    ) -> Ticket:
+        """Make the admission ticket of one request.
+
+        Args:
+            tier: the tier name (already resolved and possibly lowered, see ``gateway.tiers``).
+            prompt_token_ids: the tokenized prompt.
+            max_tokens: the capped output budget in tokens (``gateway.caps``), ≥ 1.
+            rate_limit_key, rpm_limit, tpm_limit: the API key's identity and per-minute limits (0 = unlimited).
+
+        Raises:
+            KeyError: unknown tier (a bug: tiers are resolved before).
+        """
+        tier_config = self._queues[tier].config
+        block_size = max(1, self._view.block_size_tokens())
+        total_tokens = len(prompt_token_ids) + max_tokens
+        ticket = Ticket(
+            ticket_id=next(self._ticket_ids),
+            tier=tier_config,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=max_tokens,
+            demand_blocks=math.ceil(total_tokens / block_size),
+            rate_limit_key=rate_limit_key,
+            rpm_limit=rpm_limit if self._enabled else 0,
+            tpm_limit=tpm_limit if self._enabled else 0,
+            arrival_s=self._clock(),
+        )
+        ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self._output_fraction
+        return ticket
+
+    def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int], max_tokens: int) -> Ticket:
+        """Make a ticket for a resolved :class:`~gateway.tiers.Principal` (tier and per-key limits)."""
+        return self.make_ticket(
+            principal.tier.name,
+            prompt_token_ids,
+            max_tokens,
+            rate_limit_key=principal.rate_limit_key,
+            rpm_limit=principal.rpm_limit,
+            tpm_limit=principal.tpm_limit,
+        )
+
+    async def admit(self, ticket: Ticket) -> object:
+        """Queue the ticket and wait until a worker has room; return the capacity view's reservation.
+
+        Cancelling the caller (client disconnect) removes the ticket from its queue, or gives its reservation
+        back when it was admitted in the same instant.
+
+        Raises:
+            SluiceError: shed (see the module docstring), always with ``retry_after_s`` ≥ 1.
+            RuntimeError: the ticket was already used.
+        """
+        if ticket.state is not TicketState.NEW:
+            raise RuntimeError(f"ticket {ticket.ticket_id} was already submitted ({ticket.state.value})")
+        queue = self._queues[ticket.tier.name]
+        self._observe_pressure()
+        decision = await self._limiter.try_acquire(
+            ticket.rate_limit_key, ticket.rpm_limit, ticket.tpm_limit, len(ticket.prompt_token_ids) + ticket.max_tokens
+        )
+        if not decision.allowed:
+            limit_name = "requests" if decision.limit == "rpm" else "tokens"
+            self._reject_at_arrival(
+                ticket,
+                queue,
+                ErrorCode.RATE_LIMIT_EXCEEDED,
+                f"Rate limit reached for {limit_name} per minute on this API key. Retry after the indicated time.",
+                decision.retry_after_s,
+            )
+        try:
+            self._check_arrival(ticket, queue)
+        except SluiceError:
+            await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
+            raise
+        now_s = self._clock()
+        timeout_s = (
+            self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
+        )
+        ticket.enqueued_s = now_s
+        ticket.deadline_s = now_s + timeout_s
+        ticket.state = TicketState.QUEUED
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        ticket._future = future
+        queue.push(ticket)
+        self._dispatch()
+        try:
+            while not future.done():
+                remaining_s = ticket.deadline_s - self._clock()
+                if remaining_s <= 0:
+                    self._shed_timed_out(ticket)
+                    break
+                await asyncio.wait((future,), timeout=None if math.isinf(remaining_s) else remaining_s)
+        except asyncio.CancelledError:
+            self._cancel(ticket)
+            raise
+        return future.result()
+
+    def release(self, ticket: Ticket, completion_tokens: int | None = None) -> None:
+        """Give back an admitted ticket's reservation (the request finished, failed or was aborted); re-dispatch.
+
+        Safe to call for any ticket in a ``finally``: a no-op unless the ticket is admitted.
+
+        Args:
+            ticket: the ticket.
+            completion_tokens: output tokens the request produced, to learn how much of ``max_tokens`` answers use.
+        """
+        if ticket.state is not TicketState.ADMITTED:
+            return
+        ticket.state = TicketState.RELEASED
+        queue = self._queues[ticket.tier.name]
+        queue.num_in_flight -= 1
+        queue.in_flight_blocks -= ticket.demand_blocks
+        if completion_tokens is not None and ticket.max_tokens > 0:
+            fraction = min(1.0, max(0.0, completion_tokens / ticket.max_tokens))
+            weight = _OUTPUT_FRACTION_EWMA_WEIGHT
+            self._output_fraction = (1.0 - weight) * self._output_fraction + weight * fraction
+        reservation, ticket.reservation = ticket.reservation, None
+        self._view.release(reservation)
+        self._dispatch()
+
+    def on_capacity_changed(self) -> None:
+        """Re-run dispatch (and shed expired tickets): call when a worker reports capacity or a request ends."""
+        self._observe_pressure()
+        self._dispatch()
+
+    def start_draining(self) -> None:
+        """Stop admitting: shed queued tickets and reject new ones with 503 ``server_draining`` (SIGTERM)."""
+        self._draining = True
+        for queue in self._queues.values():
+            for ticket in list(queue.tickets.values()):
+                self._shed(ticket, ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
+
+    # ----------------------------------------------------------------------------------------------- estimates
+
+    def drain_rate_tokens_per_s(self) -> float:
+        """Return the drain rate in tokens/s: the workers' measured decode + prefill rate, else the measured
+        dispatch rate of expected work; 0.0 when neither is known."""
+        rate = self._view.drain_rate_tokens_per_s()
+        if rate > 0:
+            return rate
+        return self._dispatch_rate_tokens_per_s()
+
+    def predicted_wait_s(self, tier: str) -> float | None:
+        """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown.
+
+        Work ahead (expected tokens queued in this tier and higher ones) ÷ :meth:`drain_rate_tokens_per_s`.
+        """
+        work_tokens = self._work_ahead_tokens(self._queues[tier].config.priority)
+        if work_tokens <= 0:
+            return 0.0
+        rate = self.drain_rate_tokens_per_s()
+        return work_tokens / rate if rate > 0 else None
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
+        dispatch rate; plus the drain rate and the pressure level. For ``/status`` and metrics."""
+        now_s = self._clock()
+        tiers: dict[str, Any] = {}
+        for name, queue in self._queues.items():
+            head = queue.head()
+            predicted_s = self.predicted_wait_s(name)
+            tiers[name] = {
+                "priority": queue.config.priority,
+                "queue_depth": len(queue.tickets),
+                "queue_capacity": queue.config.queue_capacity,
+                "oldest_wait_s": round(now_s - head.enqueued_s, 3) if head and head.enqueued_s is not None else 0.0,
+                "in_flight": queue.num_in_flight,
+                "in_flight_kv_blocks": queue.in_flight_blocks,
+                "admitted": queue.num_admitted,
+                "rejected": dict(queue.num_rejected),
+                "cancelled": queue.num_cancelled,
+                "predicted_wait_s": None if predicted_s is None else round(predicted_s, 3),
+                "dispatch_rate_per_s": round(self._tier_dispatch_rate_per_s(queue, now_s), 3),
+            }
+        return {
+            "enabled": self._enabled,
+            "order_policy": self._order.name,
+            "draining": self._draining,
+            "drain_rate_tokens_per_s": round(self.drain_rate_tokens_per_s(), 1),
+            "expected_output_fraction": round(self._output_fraction, 3),
+            "pressure": self.pressure.snapshot(),
+            "tiers": tiers,
+        }
+
+    # ----------------------------------------------------------------------------------------------- internals
+
+    def _check_arrival(self, ticket: Ticket, queue: _TierQueue) -> None:
+        """Reject at arrival when the request cannot be queued or cannot make its deadline."""
+        if self._draining:
+            self._reject_at_arrival(
+                ticket, queue, ErrorCode.DRAINING, "The server is shutting down; retry on another instance."
+            )
+        if self._view.total_kv_blocks() <= 0:
+            self._reject_at_arrival(ticket, queue, ErrorCode.NO_WORKER, "No worker is available to serve the request.")
+        if self._enabled and self.pressure.sheds(ticket.tier.name):
+            self._reject_at_arrival(
+                ticket,
+                queue,
+                ErrorCode.SERVER_OVERLOADED,
+                f"The server is overloaded ({self.pressure.level.label} pressure) and is not serving the "
+                f"'{ticket.tier.name}' tier now.",
+                self._overload_retry_after_s(),
+            )
+        full = (
+            len(queue.tickets) >= queue.config.queue_capacity
+            if self._enabled
+            else sum(len(q.tickets) for q in self._queues.values()) >= self._total_queue_capacity
+        )
+        if full:
+            message = f"The '{ticket.tier.name}' queue is full; the server is overloaded."
+            self._reject_at_arrival(ticket, queue, ErrorCode.QUEUE_FULL, message)
+        if self._enabled and self._admission.early_rejection:
+            predicted_s = self.predicted_wait_s(ticket.tier.name)
+            timeout_s = self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s)
+            if predicted_s is not None and predicted_s > timeout_s:
+                self._reject_at_arrival(
+                    ticket,
+                    queue,
+                    ErrorCode.PREDICTED_QUEUE_TIMEOUT,
+                    f"The predicted queue wait ({predicted_s:.1f} s) exceeds the '{ticket.tier.name}' tier's "
+                    f"deadline ({timeout_s:g} s); the server is overloaded.",
+                    predicted_s - timeout_s,
+                )
+
+    def _reject_at_arrival(
+        self,
+        ticket: Ticket,
+        queue: _TierQueue,
+        code: ErrorCode,
+        message: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        ticket.state = TicketState.REJECTED
+        queue.num_rejected[code.value] += 1
+        seconds = self._tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
+        raise SluiceError(code, message, retry_after_s=self._clamp_retry_after(seconds))
+
+    def _shed(self, ticket: Ticket, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+        """Take a queued ticket out of its queue and fail its waiter."""
+        queue = self._queues[ticket.tier.name]
+        if not queue.remove(ticket):
+            return
+        ticket.state = TicketState.REJECTED
+        queue.num_rejected[code.value] += 1
+        seconds = self._tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
+        error = SluiceError(code, message, retry_after_s=self._clamp_retry_after(seconds))
+        if ticket._future is not None and not ticket._future.done():
+            ticket._future.set_exception(error)
+
+    def _shed_timed_out(self, ticket: Ticket) -> None:
+        waited_s = self._clock() - (ticket.enqueued_s or ticket.arrival_s)
+        self._shed(
+            ticket,
+            ErrorCode.QUEUE_TIMEOUT,
+            f"The request waited {waited_s:.1f} s in the '{ticket.tier.name}' queue, past its deadline; "
+            "the server is overloaded.",
+        )
+
+    def _shed_expired(self, now_s: float) -> None:
+        for queue in self._queues.values():
+            expired = [t for t in queue.tickets.values() if t.deadline_s is not None and t.deadline_s <= now_s]
+            for ticket in expired:
+                self._shed_timed_out(ticket)
+
+    def _cancel(self, ticket: Ticket) -> None:
+        """The waiter was cancelled: leave the queue, or give back a reservation granted in the same instant."""
+        if ticket.state is TicketState.QUEUED:
+            queue = self._queues[ticket.tier.name]
+            queue.remove(ticket)
+            queue.num_cancelled += 1
+            ticket.state = TicketState.CANCELLED
+            self._dispatch()  # it may have been the head holding others back
+        elif ticket.state is TicketState.ADMITTED:
+            self.release(ticket)
+            ticket.state = TicketState.CANCELLED
+        if ticket._future is not None:
+            if not ticket._future.done():
+                ticket._future.cancel()
+            elif not ticket._future.cancelled():
+                ticket._future.exception()  # mark retrieved: nobody awaits it any more
+
+    def _dispatch(self) -> None:
+        """Admit queued tickets, best first, while the capacity view finds room (re-entrancy safe)."""
+        if self._dispatching:
+            self._dispatch_requested = True
+            return
+        self._dispatching = True
+        try:
+            self._dispatch_requested = True
+            while self._dispatch_requested:
+                self._dispatch_requested = False
+                self._dispatch_once()
+        finally:
+            self._dispatching = False
+
+    def _dispatch_once(self) -> None:
+        now_s = self._clock()
+        self._shed_expired(now_s)
+        held_back_tiers: set[str] = set()
+        while True:
+            candidates = [
+                head
+                for name, queue in self._queues.items()
+                if name not in held_back_tiers and (head := queue.head()) is not None
+            ]
+            if not candidates:
+                return
+            best = max(candidates, key=lambda t: (self._order.score(t, now_s), -t.ticket_id))
+            if not self._fits_reserved_shares(best):
+                held_back_tiers.add(best.tier.name)
+                continue
+            reservation = self._view.try_reserve(best.demand_blocks, best.tier.name, best.prompt_token_ids)
+            if reservation is None:
+                return  # strict order: nobody jumps ahead of the request that should go next
+            self._grant(best, reservation, now_s)
+
+    def _grant(self, ticket: Ticket, reservation: object, now_s: float) -> None:
+        queue = self._queues[ticket.tier.name]
+        queue.remove(ticket)
+        ticket.state = TicketState.ADMITTED
+        ticket.reservation = reservation
+        ticket.admitted_s = now_s
+        queue.num_in_flight += 1
+        queue.in_flight_blocks += ticket.demand_blocks
+        queue.num_admitted += 1
+        queue.dispatch_times_s.append(now_s)
+        self._dispatch_log.append((now_s, ticket.expected_work_tokens))
+        if ticket._future is not None and not ticket._future.done():
+            ticket._future.set_result(reservation)
+
+    def _fits_reserved_shares(self, ticket: Ticket) -> bool:
+        """Return whether dispatching leaves the unused reserved shares of higher tiers untouched."""
+        if not self._enabled:
+            return True
+        total_blocks = self._view.total_kv_blocks()
+        unused_reserved_blocks = 0.0
+        for queue in self._queues.values():
+            if queue.config.priority > ticket.tier.priority and queue.config.reserved_kv_fraction > 0:
+                unused_reserved_blocks += max(
+                    0.0, queue.config.reserved_kv_fraction * total_blocks - queue.in_flight_blocks
+                )
+        if unused_reserved_blocks <= 0:
+            return True
+        in_flight_blocks = sum(queue.in_flight_blocks for queue in self._queues.values())
+        return in_flight_blocks + ticket.demand_blocks <= total_blocks - unused_reserved_blocks
+
+    def _work_ahead_tokens(self, priority: int) -> float:
+        return sum(q.queued_work_tokens for q in self._queues.values() if q.config.priority >= priority)
+
+    def _dispatch_rate_tokens_per_s(self) -> float:
+        now_s = self._clock()
+        window_s = self._admission.rate_window_s
+        while self._dispatch_log and self._dispatch_log[0][0] < now_s - window_s:
+            self._dispatch_log.popleft()
+        if not self._dispatch_log:
+            return 0.0
+        span_s = max(1.0, min(window_s, now_s - self._started_s))
+        return sum(work for _, work in self._dispatch_log) / span_s
+
+    def _tier_dispatch_rate_per_s(self, queue: _TierQueue, now_s: float) -> float:
+        window_s = self._admission.rate_window_s
+        while queue.dispatch_times_s and queue.dispatch_times_s[0] < now_s - window_s:
+            queue.dispatch_times_s.popleft()
+        return len(queue.dispatch_times_s) / max(1.0, min(window_s, now_s - self._started_s))
+
+    def _tier_retry_after_s(self, queue: _TierQueue) -> float:
+        """Seconds until the work queued in this tier and above drains at the measured rate (else the deadline)."""
+        rate = self.drain_rate_tokens_per_s()
+        if rate <= 0:
+            return queue.config.queue_timeout_s
+        return self._work_ahead_tokens(queue.config.priority) / rate
+
+    def _overload_retry_after_s(self) -> float:
+        """Seconds until all queued work drains at the measured rate, at least the pressure level's dwell left."""
+        rate = self.drain_rate_tokens_per_s()
+        total_work = self._work_ahead_tokens(min(q.config.priority for q in self._queues.values()))
+        drain_s = total_work / rate if rate > 0 else self._config.pressure.min_dwell_s
+        return max(drain_s, self.pressure.seconds_until_may_step_down())
+
+    def _clamp_retry_after(self, seconds: float) -> int:
+        return int(min(self._admission.max_retry_after_s, max(1, math.ceil(seconds))))
+
+    def _observe_pressure(self) -> None:
+        """Feed the pressure monitor; when the level starts shedding a tier, shed that tier's queue too."""
+        if not self._enabled:
+            return
+        now_s = self._clock()
+        oldest_wait_s = max(
+            (
+                now_s - head.enqueued_s
+                for q in self._queues.values()
+                if (head := q.head()) is not None and head.enqueued_s is not None
+            ),
+            default=0.0,
+        )
+        rate = self.drain_rate_tokens_per_s()
+        total_work = sum(q.queued_work_tokens for q in self._queues.values())
+        predicted_s = total_work / rate if rate > 0 else 0.0
+        before = self.pressure.level
+        level = self.pressure.observe(max(oldest_wait_s, predicted_s), self._view.kv_used_fraction())
+        if level > before and level is not PressureLevel.NORMAL:
+            for queue in self._queues.values():
+                if self.pressure.sheds(queue.config.name):
+                    for ticket in list(queue.tickets.values()):
+                        self._shed(
+                            ticket,
+                            ErrorCode.SERVER_OVERLOADED,
+                            f"The server is overloaded ({level.label} pressure) and stopped serving the "
+                            f"'{queue.config.name}' tier.",
+                            self._overload_retry_after_s(),
+                        )

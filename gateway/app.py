@@ -1,0 +1,203 @@
+"""The aiohttp application: routes, the error ladder, and every resource as a ``cleanup_ctx``.
+
+Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
+metrics → tokenizer (thread pool) → workers (connections, then local worker processes).
+
+The error ladder (one middleware):
+
+- :class:`SluiceError` → its status with the OpenAI envelope (``Retry-After`` when it has one);
+- aiohttp's HTTP errors (404, 405, 413 body too large …) → the same envelope;
+- ``CancelledError`` (the client went away; ``handler_cancellation`` is on) → counted as 499 and re-raised;
+- anything else → 500 ``internal_error``, logged with the request id (a bug: bad input never gets here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from gateway import handlers
+from gateway.local_workers import LocalWorkerProcess
+from gateway.metrics import Metrics
+from gateway.state import (
+    CONFIG,
+    LOCAL_WORKERS,
+    METRICS,
+    OPTIONS,
+    REQUEST_ID,
+    REQUEST_LOG,
+    POOL,
+    STARTED_AT,
+    TOKENIZER,
+    GatewayOptions,
+)
+from gateway.tokenize import Tokenizer
+from gateway.workers import WorkerClient, WorkerPool
+from shared.config import resolve_model_path
+from shared.errors import ErrorCode, SluiceError, error_envelope
+
+log = structlog.get_logger("sluice.gateway")
+
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request", for metrics and logs only
+
+_HTTP_STATUS_TO_CODE = {
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.BODY_TOO_LARGE,
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json_error(error: SluiceError, request_id: str) -> web.Response:
+    headers = {"x-request-id": request_id}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(int(error.retry_after_s))
+    return web.json_response(error.envelope(), status=error.status, headers=headers)
+
+
+def _http_error(exc: web.HTTPException, request: web.Request, request_id: str) -> web.Response:
+    code = _HTTP_STATUS_TO_CODE.get(exc.status)
+    if code is ErrorCode.BODY_TOO_LARGE:
+        limit = request.app[CONFIG].gateway.max_body_bytes
+        message = f"the request body exceeds the limit of {limit} bytes"
+    elif code is ErrorCode.NOT_FOUND:
+        message = f"no route for {request.method} {request.path}"
+    elif code is ErrorCode.METHOD_NOT_ALLOWED:
+        message = f"method {request.method} is not allowed on {request.path}"
+    else:
+        code = ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL
+        message = exc.reason
+    envelope = error_envelope(code, message)
+    headers = {"x-request-id": request_id}
+    if exc.status == 405 and "Allow" in exc.headers:
+        headers["Allow"] = exc.headers["Allow"]
+    return web.json_response(envelope, status=exc.status, headers=headers)
+
+
+def _endpoint(request: web.Request) -> str:
+    """Return the route's canonical path (a bounded label set), or "unmatched"."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Assign the request id, map every failure to the OpenAI envelope, count and log the request."""
+    request_id = handlers.new_request_id()
+    request[REQUEST_ID] = request_id
+    request[REQUEST_LOG] = {}
+    started_s = time.perf_counter()
+    status = 500
+    try:
+        try:
+            response = await handler(request)
+        except SluiceError as exc:
+            request[REQUEST_LOG].setdefault("error_code", exc.code.value)
+            response = _json_error(exc, request_id)
+        except web.HTTPException as exc:
+            response = _http_error(exc, request, request_id)
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED_STATUS
+            request[REQUEST_LOG]["outcome"] = "client_disconnected"
+            raise
+        except ConnectionError:
+            status = CLIENT_CLOSED_STATUS
+            request[REQUEST_LOG]["outcome"] = "client_disconnected"
+            raise
+        except Exception:
+            log.exception("internal_error", request_id=request_id, method=request.method, path=request.path)
+            response = _json_error(SluiceError(ErrorCode.INTERNAL, f"internal error (request id {request_id})"),
+                                   request_id)
+        if not response.prepared:
+            response.headers.setdefault("x-request-id", request_id)
+        status = response.status
+        return response
+    finally:
+        endpoint = _endpoint(request)
+        request.app[METRICS].requests.labels(endpoint, str(status)).inc()
+        if endpoint.startswith("/v1/") or status >= 400:
+            duration_ms = round((time.perf_counter() - started_s) * 1000, 2)
+            log.info("request", request_id=request_id, method=request.method, path=request.path, status=status,
+                     duration_ms=duration_ms, **request[REQUEST_LOG])
+
+
+# ---------------------------------------------------------------------- resources (cleanup_ctx)
+
+
+async def _metrics_ctx(app: web.Application) -> AsyncIterator[None]:
+    if METRICS not in app:
+        app[METRICS] = Metrics()
+    yield
+
+
+async def _tokenizer_ctx(app: web.Application) -> AsyncIterator[None]:
+    owned = TOKENIZER not in app
+    if owned:
+        config = app[CONFIG]
+        loop = asyncio.get_running_loop()
+        app[TOKENIZER] = await loop.run_in_executor(
+            None, Tokenizer.from_model_path, resolve_model_path(config.model), config.gateway.tokenizer_threads)
+    yield
+    if owned:
+        app[TOKENIZER].close()
+
+
+async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
+    options, config, metrics = app[OPTIONS], app[CONFIG], app[METRICS]
+    clients: list[WorkerClient] = []
+    processes: list[LocalWorkerProcess] = []
+    if options.worker_addresses:
+        for i, address in enumerate(options.worker_addresses):
+            clients.append(WorkerClient(address, f"remote-{i}", metrics.observe_capacity))
+    elif options.spawn_local_workers:
+        for i in range(config.worker.num_local_workers):
+            client = WorkerClient("", f"local-{i}", metrics.observe_capacity)
+            process = LocalWorkerProcess(i, client, options.config_path, config.gateway.worker_restart_backoff_s,
+                                         config.gateway.worker_start_timeout_s)
+            client.address = process.address
+            clients.append(client)
+            processes.append(process)
+    pool = WorkerPool(clients)
+    app[POOL] = pool
+    app[LOCAL_WORKERS] = processes
+    for process in processes:
+        process.start()
+    pool.start()
+    yield
+    await pool.close()
+    await asyncio.gather(*(p.stop() for p in processes))
+
+
+def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
+              metrics: Metrics | None = None) -> web.Application:
+    """Build the gateway application.
+
+    Args:
+        options: config and how to reach workers.
+        tokenizer: an already loaded tokenizer to share (tests); None loads the model's at startup.
+        metrics: a metrics registry to use; None makes a fresh one.
+    """
+    config = options.config
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes)
+    app[OPTIONS] = options
+    app[CONFIG] = config
+    app[STARTED_AT] = time.time()
+    if tokenizer is not None:
+        app[TOKENIZER] = tokenizer
+    if metrics is not None:
+        app[METRICS] = metrics
+    app.cleanup_ctx.extend([_metrics_ctx, _tokenizer_ctx, _workers_ctx])
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/status", handlers.status)
+    app.router.add_get("/metrics", handlers.metrics)
+    return app

@@ -1,0 +1,83 @@
+"""Incremental detokenization that never emits a broken UTF-8 character (BC11, BC12).
+
+The prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and TGI's ``decode_token``::
+
+    token ids:  ... [prefix_offset ........ read_offset) [read_offset ...... end)
+                    └ context, already emitted ┘          └ new, not yet emitted ┘
+
+    new_text = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+
+Decoding with a few tokens of context keeps tokenizers that attach spaces or merge bytes across tokens exact. While
+the decoded text ends with U+FFFD (an incomplete multi-byte character), the text up to the last whole character is
+released and the tokens after it are held back. At the end of the generation whatever is still held back is flushed;
+genuinely invalid bytes then become U+FFFD, never a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character has at most 4 bytes, each byte-level token carries at least one: holding back more tokens than
+# this means the bytes are invalid, not incomplete, so they are emitted (as U+FFFD) instead of held forever.
+MAX_HELD_TOKENS = 8
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into a stream of text pieces, one generation (choice) at a time.
+
+    Args:
+        decoder: anything with ``decode(token_ids) -> str`` (:class:`gateway.tokenize.Tokenizer`).
+    """
+
+    def __init__(self, decoder: Decoder) -> None:
+        self._decoder = decoder
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add new token ids and return the text that became final ("" while a character is incomplete)."""
+        self.token_ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is still held back; call once when the generation ends."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read_offset >= len(self.token_ids):
+            return ""
+        prefix_text = self._decoder.decode(self.token_ids[self._prefix_offset:self._read_offset])
+        end = len(self.token_ids)
+        full_text = self._decoder.decode(self.token_ids[self._prefix_offset:end])
+        if not final and full_text.endswith(REPLACEMENT_CHAR):
+            clean = self._last_clean_end()
+            if clean is None:
+                return ""
+            end, full_text = clean
+        new_text = full_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = end
+        return new_text
+
+    def _last_clean_end(self) -> tuple[int, str] | None:
+        """Find the longest prefix of the unread tokens whose text ends on a whole character.
+
+        Returns (end token index, decoded text from ``prefix_offset`` to it); None to hold everything back (a
+        character is still incomplete); or all tokens when more than :data:`MAX_HELD_TOKENS` trailing tokens
+        stay invalid (the bytes are broken, not incomplete, so they are emitted as U+FFFD).
+        """
+        num_tokens = len(self.token_ids)
+        lowest_end = max(self._read_offset + 1, num_tokens - MAX_HELD_TOKENS)
+        for end in range(num_tokens - 1, lowest_end - 1, -1):
+            text = self._decoder.decode(self.token_ids[self._prefix_offset:end])
+            if not text.endswith(REPLACEMENT_CHAR):
+                return end, text
+        if num_tokens - self._read_offset <= MAX_HELD_TOKENS:
+            return None
+        return num_tokens, self._decoder.decode(self.token_ids[self._prefix_offset:])

@@ -1,0 +1,240 @@
+"""HTTP handlers of the OpenAI endpoints and the operational ones (models, health, readiness, status, metrics).
+
+Request life cycle (DESIGN.md): parse and validate → tokenize (off the loop) → cap output length → route →
+generate → stream back or collect. Validation finishes before any byte of the response is sent, so bad input is a
+JSON 4xx, never an SSE stream (BC06). A stream's headers are sent once its first event exists, so a worker that
+fails before the first token is a plain 502/504 too; later failures go in-band.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from gateway import openai_api
+from gateway.caps import effective_max_tokens
+from gateway.generation import FinishEvent, Generation, TextEvent
+from gateway.state import CONFIG, LOCAL_WORKERS, METRICS, POOL, REQUEST_ID, REQUEST_LOG, STARTED_AT, TOKENIZER
+from gateway.streaming import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event, text_completion
+from shared.errors import ErrorCode, SluiceError
+from shared.protocol import SamplingParams
+
+MAX_PROMPTS_PER_REQUEST = 64
+
+
+def _check_model(app: web.Application, model: str) -> None:
+    served = app[CONFIG].model.name
+    if model != served:
+        raise SluiceError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server serves "
+                          f"'{served}' (see /v1/models)", param="model")
+
+
+async def _read_body(request: web.Request) -> bytes:
+    return await request.read()  # raises HTTPRequestEntityTooLarge over client_max_size (→ 413 envelope)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    arrival_s = time.perf_counter()
+    body = openai_api.decode_body(await _read_body(request), openai_api.ChatCompletionRequest)
+    _check_model(request.app, body.model)
+    openai_api.check_unsupported(body)
+    messages = openai_api.chat_messages(body)
+    prompt_ids = await request.app[TOKENIZER].encode_chat(messages)
+    return await _serve(request, "chat", body, [prompt_ids], arrival_s, prompt_param="messages")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    arrival_s = time.perf_counter()
+    body = openai_api.decode_body(await _read_body(request), openai_api.CompletionRequest)
+    _check_model(request.app, body.model)
+    openai_api.check_unsupported(body)
+    tokenizer = request.app[TOKENIZER]
+    prompts = openai_api.completion_prompts(body)
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request",
+                          param="prompt")
+    prompt_ids: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        ids = await tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise SluiceError(ErrorCode.INVALID_VALUE, "the prompt must not be empty", param=param)
+        if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
+            raise SluiceError(ErrorCode.INVALID_VALUE,
+                              f"token ids must be in [0, {tokenizer.vocab_size - 1}]", param=param)
+        prompt_ids.append(ids)
+    return await _serve(request, "completion", body, prompt_ids, arrival_s, prompt_param="prompt")
+
+
+def _sampling(body: openai_api.ChatCompletionRequest | openai_api.CompletionRequest) -> SamplingParams:
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=top_k,
+        seed=body.seed,
+    )
+
+
+async def _serve(request: web.Request, kind: str, body, prompt_ids: list[list[int]], arrival_s: float,
+                 prompt_param: str) -> web.StreamResponse:
+    app = request.app
+    config, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
+    n = body.n or 1
+    if n > config.gateway.max_n:
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
+    stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
+    context_tokens = pool.max_model_len_tokens(config.model.max_model_len_tokens)
+    requested = openai_api.requested_max_tokens(body)
+    max_tokens = [
+        effective_max_tokens(requested, len(ids), context_tokens, config.gateway.max_tokens_cap,
+                             config.gateway.default_max_tokens, prompt_param)
+        for ids in prompt_ids
+    ]
+    request_id: str = request[REQUEST_ID]
+    generation = Generation(
+        request_id=request_id, prompts=prompt_ids, max_tokens=max_tokens, n=n, sampling=_sampling(body),
+        stop_strings=stop_strings, pool=pool, tokenizer=app[TOKENIZER], metrics=metrics,
+        first_token_timeout_s=config.gateway.first_token_timeout_s,
+        stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
+        tier=config.default_tier, cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
+    )
+    log_fields = request[REQUEST_LOG]
+    log_fields.update(kind=kind, stream=bool(body.stream), n=n, prompt_tokens=sum(map(len, prompt_ids)),
+                      max_tokens=max_tokens[0])
+    metrics.request_started()
+    try:
+        generation.start()
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return await _stream(request, kind, generation, include_usage)
+        return await _collect(request, kind, generation)
+    finally:
+        generation.close()
+        metrics.request_ended()
+        usage = generation.usage()
+        metrics.prompt_tokens.inc(usage.prompt_tokens)
+        metrics.completion_tokens.inc(usage.completion_tokens)
+        metrics.e2e_latency.observe(time.perf_counter() - arrival_s)
+        log_fields.update(completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+                          ttft_ms=None if generation.ttft_s is None else round(generation.ttft_s * 1000, 2),
+                          worker_ttft_ms=generation.worker_ttft_ms)
+
+
+def _response_id(kind: str, request_id: str) -> str:
+    return f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
+
+
+async def _collect(request: web.Request, kind: str, generation: Generation) -> web.Response:
+    finish_reasons = ["stop"] * len(generation.choices)
+    while (event := await generation.next_event()) is not None:
+        if isinstance(event, FinishEvent):
+            finish_reasons[event.index] = event.finish_reason
+    texts = [generation.text(i) for i in range(len(generation.choices))]
+    build = chat_completion if kind == "chat" else text_completion
+    payload = build(_response_id(kind, request[REQUEST_ID]), int(time.time()), request.app[CONFIG].model.name,
+                    texts, finish_reasons, generation.usage().to_dict())
+    request[REQUEST_LOG]["outcome"] = "ok"
+    return web.json_response(payload, dumps=_dumps)
+
+
+def _dumps(payload) -> str:
+    import msgspec
+
+    return msgspec.json.encode(payload).decode()
+
+
+async def _stream(request: web.Request, kind: str, generation: Generation, include_usage: bool) -> web.StreamResponse:
+    first_event = await generation.next_event()  # errors before the first byte are plain JSON errors
+    chunks = ChunkFactory(kind, _response_id(kind, request[REQUEST_ID]), int(time.time()),
+                          request.app[CONFIG].model.name)
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream; charset=utf-8",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+        "x-request-id": request[REQUEST_ID],
+    })
+    await response.prepare(request)
+    request[REQUEST_LOG]["outcome"] = "client_disconnected"
+    if kind == "chat":
+        await response.write(b"".join(chunks.role(c.index) for c in generation.choices))
+    event = first_event
+    try:
+        while event is not None:
+            if isinstance(event, TextEvent):
+                await response.write(chunks.text(event.index, event.text))
+            else:
+                await response.write(chunks.finish(event.index, event.finish_reason))
+            event = await generation.next_event()
+        if include_usage:
+            await response.write(chunks.usage(generation.usage().to_dict()))
+        request[REQUEST_LOG]["outcome"] = "ok"
+    except SluiceError as exc:
+        request[REQUEST_LOG].update(outcome="error_in_band", error_code=exc.code.value)
+        await response.write(sse_error_event(exc))
+    await response.write(DONE_EVENT)
+    await response.write_eof()
+    return response
+
+
+# ---------------------------------------------------------------------- operational endpoints
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the served model."""
+    return web.json_response({"object": "list", "data": [_model_card(request.app)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``."""
+    _check_model(request.app, request.match_info["model"])
+    return web.json_response(_model_card(request.app))
+
+
+def _model_card(app: web.Application) -> dict:
+    config = app[CONFIG]
+    return {"id": config.model.name, "object": "model", "created": int(app[STARTED_AT]), "owned_by": "sluice",
+            "max_model_len": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens)}
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: the process is up."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: 200 once a worker said Hello, else 503."""
+    pool = request.app[POOL]
+    ready = len(pool.ready_clients())
+    if not ready:
+        raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready yet", retry_after_s=1)
+    return web.json_response({"status": "ready", "ready_workers": ready, "workers": len(pool.clients)})
+
+
+async def status(request: web.Request) -> web.Response:
+    """``GET /status``: JSON snapshot of the model, active requests and workers with their last capacity."""
+    app = request.app
+    config = app[CONFIG]
+    return web.json_response({
+        "model": config.model.name,
+        "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),
+        "active_requests": app[METRICS].num_active_requests,
+        "uptime_s": round(time.time() - app[STARTED_AT], 3),
+        "workers": app[POOL].status(),
+        "local_workers": [{"index": p.index, "pid": p.pid, "starts": p.num_starts, "address": p.address}
+                          for p in app[LOCAL_WORKERS]],
+    }, dumps=_dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format."""
+    return web.Response(body=request.app[METRICS].render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

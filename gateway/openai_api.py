@@ -1,0 +1,265 @@
+"""OpenAI request schemas as msgspec Structs, and their validation into :class:`SluiceError` with ``param``.
+
+Policy (deliberate, documented in the README):
+
+- Unknown fields are accepted and ignored, as OpenAI-compatible servers do (SDKs send extra keys).
+- Known fields with a wrong type or value are rejected with 400 and the field path in ``param``
+  (``messages[0].content``, ``max_tokens`` …).
+- Features Sluice does not implement are rejected with a clear 400 rather than silently ignored when ignoring them
+  would change the answer: ``logprobs``/``top_logprobs``, non-zero ``presence_penalty``/``frequency_penalty``,
+  ``tools``, ``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` ≠ ``n``.
+- ``max_tokens`` / ``max_completion_tokens``: null or omitted means the default; 0, negative or fractional is 400.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from shared.errors import ErrorCode, SluiceError
+
+MAX_SEED = 2**63 - 1
+MIN_SEED = -(2**63)
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
+
+
+class _Schema(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    pass
+
+
+class ContentPart(_Schema, kw_only=True):
+    """One part of a message's content list; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Schema, kw_only=True):
+    """One chat message. ``content`` may be null only for an assistant message."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Schema, kw_only=True):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Schema, kw_only=True):
+    type: str = "text"
+
+
+class _SamplingFields(_Schema, kw_only=True):
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    n: PositiveInt | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/chat/completions`` (the fields Sluice reads)."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/completions`` (the fields Sluice reads).
+
+    ``prompt``: a string, a list of strings, a list of token ids or a list of token id lists (checked by
+    :func:`completion_prompts`; msgspec cannot express that union of arrays).
+    """
+
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING_RE = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def _param_from_validation(message: str) -> str | None:
+    """Turn msgspec's ``... - at `$.messages[0].content``` into ``messages[0].content``."""
+    path = ""
+    match = _PATH_RE.search(message)
+    if match:
+        path = match.group("path").lstrip(".")
+    missing = _MISSING_RE.search(message)
+    if missing:
+        field = missing.group("field")
+        path = f"{path}.{field}" if path else field
+    return path or None
+
+
+def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
+    """Decode a JSON request body straight into ``schema``.
+
+    Raises:
+        SluiceError: ``invalid_json`` (not JSON), ``invalid_type``/``invalid_value`` (wrong shape; ``param``
+            names the field), ``missing_required_parameter``.
+    """
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        _raise_if_not_json(body)  # typed decoding stops at the first bad field, maybe before a syntax error
+        text = str(exc)
+        param = _param_from_validation(text)
+        if text.startswith("Object missing required field"):
+            code = ErrorCode.MISSING_FIELD
+        elif text.startswith("Expected `") and " - at " not in text and param is None:
+            code = ErrorCode.INVALID_TYPE
+            text = f"the request body must be a JSON object ({text})"
+        elif text.startswith("Expected `") and "`, got `" in text:
+            code = ErrorCode.INVALID_TYPE
+        else:
+            code = ErrorCode.INVALID_VALUE
+        raise SluiceError(code, f"invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise SluiceError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from None
+
+
+def _raise_if_not_json(body: bytes) -> None:
+    try:
+        msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise SluiceError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from None
+
+
+def _invalid(message: str, param: str) -> SluiceError:
+    return SluiceError(ErrorCode.INVALID_VALUE, message, param=param)
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """Return the text of a chat message; content parts are joined with newlines (as vLLM does).
+
+    Raises:
+        SluiceError: missing content on a non-assistant message, or a non-text content part.
+    """
+    content = message.content
+    if content is None:
+        if message.role == "assistant":
+            return ""
+        raise SluiceError(ErrorCode.MISSING_FIELD, f"messages[{index}].content is required for role "
+                          f"{message.role!r}", param=f"messages[{index}].content")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part_index, part in enumerate(content):
+        param = f"messages[{index}].content[{part_index}]"
+        if part.type != "text":
+            raise _invalid(f"content part type {part.type!r} is not supported (only 'text')", param + ".type")
+        if part.text is None:
+            raise SluiceError(ErrorCode.MISSING_FIELD, "a text content part needs 'text'", param + ".text")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Return the messages as ``[{"role", "content"}]`` dicts ready for the chat template.
+
+    Raises:
+        SluiceError: see :func:`message_text`.
+    """
+    return [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(request.messages)]
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """Return the prompts of a completions request: each a string or a list of token ids.
+
+    Raises:
+        SluiceError: an empty prompt list, mixed element types, or a non-integer token id (``param`` "prompt").
+    """
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise _invalid("prompt must not be an empty list", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        for i, ids in enumerate(prompt):
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise _invalid(f"prompt[{i}] must be a non-empty list of token ids", f"prompt[{i}]")
+        return [list(p) for p in prompt]
+    raise SluiceError(ErrorCode.INVALID_TYPE, "prompt must be a string, a list of strings, a list of token ids "
+                      "or a list of token id lists", param="prompt")
+
+
+def stop_strings(stop: str | list[str] | None, max_stop_sequences: int) -> list[str]:
+    """Return the non-empty stop strings of a request.
+
+    Raises:
+        SluiceError: more than ``max_stop_sequences`` strings (``param`` "stop").
+    """
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if len(items) > max_stop_sequences:
+        raise _invalid(f"at most {max_stop_sequences} stop sequences are allowed, got {len(items)}", "stop")
+    return [s for s in items if s]
+
+
+def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """Reject features whose silent omission would change the answer.
+
+    Raises:
+        SluiceError: 400 naming the field.
+    """
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value not in (None, 0, 0.0):
+            raise _invalid(f"{name} is not supported by this server (only 0)", name)
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs:
+            raise _invalid("logprobs are not supported by this server", "logprobs")
+        if request.top_logprobs:
+            raise _invalid("top_logprobs are not supported by this server", "top_logprobs")
+        if request.tools:
+            raise _invalid("tools (function calling) are not supported by this server", "tools")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise _invalid("only response_format {'type': 'text'} is supported", "response_format.type")
+    else:
+        if request.logprobs is not None and request.logprobs != 0:
+            raise _invalid("logprobs are not supported by this server", "logprobs")
+        if request.echo:
+            raise _invalid("echo is not supported by this server", "echo")
+        if request.suffix:
+            raise _invalid("suffix is not supported by this server", "suffix")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise _invalid("best_of must equal n (server-side best-of is not supported)", "best_of")
+
+
+def requested_max_tokens(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Return the client's output cap: ``max_completion_tokens`` wins over ``max_tokens``; None when neither."""
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens

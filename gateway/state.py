@@ -1,0 +1,42 @@
+"""Typed application state of the gateway (``web.AppKey``s), shared by the app factory and the handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway.local_workers import LocalWorkerProcess
+from gateway.metrics import Metrics
+from gateway.tokenize import Tokenizer
+from gateway.workers import WorkerPool
+from shared.config import Config
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How to run one gateway.
+
+    Attributes:
+        config: the loaded config (CLI flags already applied).
+        config_path: the config file, passed on to spawned workers (None: their default resolution).
+        worker_addresses: connect to these running workers (``HOST:PORT`` / ``unix:PATH``) instead of spawning.
+        spawn_local_workers: spawn ``config.worker.num_local_workers`` workers (ignored when addresses are given).
+    """
+
+    config: Config
+    config_path: str | None = None
+    worker_addresses: list[str] = field(default_factory=list)
+    spawn_local_workers: bool = True
+
+
+OPTIONS = web.AppKey("options", GatewayOptions)
+CONFIG = web.AppKey("config", Config)
+METRICS = web.AppKey("metrics", Metrics)
+TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+POOL = web.AppKey("pool", WorkerPool)
+LOCAL_WORKERS = web.AppKey("local_workers", list[LocalWorkerProcess])
+STARTED_AT = web.AppKey("started_at", float)
+
+REQUEST_ID = web.RequestKey("request_id", str)
+REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

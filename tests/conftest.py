@@ -1,0 +1,168 @@
+"""Shared fixtures: the served model's tokenizer, and a real ``sluice serve`` process (gateway + worker).
+
+``sluice_server`` starts ``python -m sluice.cli serve`` on a free port with a small test config, waits for
+``/readyz`` and yields its base URL. At teardown it checks, through ``/status``, that the worker's used KV blocks
+went back to zero (nothing leaked by any test), then stops the server with SIGTERM and checks no worker survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SERVER_START_TIMEOUT_S = 600.0
+KV_RELEASE_TIMEOUT_S = 15.0
+
+TEST_CONFIG = """
+[model]
+max_model_len_tokens = 2048
+
+[gateway]
+max_tokens_cap = 192
+default_max_tokens = 24
+first_token_timeout_s = 300.0
+stall_timeout_s = 120.0
+
+[worker]
+num_local_workers = 1
+backend = "cpu"
+kv_cache_gib = 0.25
+max_num_seqs = 16
+max_num_batched_tokens = 512
+num_threads = 2
+"""
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The gateway's :class:`Tokenizer` of the default model (SmolLM2-135M-Instruct)."""
+    from gateway.tokenize import Tokenizer
+    from shared.config import default_model_path
+
+    tok = Tokenizer.from_model_path(default_model_path(), num_threads=1)
+    yield tok
+    tok.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict]:
+    """GET ``url`` and return (status, decoded JSON body)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@dataclass
+class SluiceServer:
+    """A running ``sluice serve``: its base URL, process and log file."""
+
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+    config: dict
+
+    def status(self) -> dict:
+        return get_json(self.base_url + "/status")[1]
+
+    def worker_capacity(self) -> dict:
+        """The first worker's last Capacity report (from ``/status``)."""
+        return self.status()["workers"][0]["capacity"]
+
+    def wait_for_capacity(self, predicate, timeout_s: float) -> dict:
+        """Poll ``/status`` until ``predicate(capacity)`` holds; return that capacity (or the last one)."""
+        deadline = time.monotonic() + timeout_s
+        capacity = self.worker_capacity()
+        while not predicate(capacity) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            capacity = self.worker_capacity()
+        return capacity
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+@pytest.fixture(scope="session")
+def sluice_server(tmp_path_factory) -> SluiceServer:
+    """A real gateway + local CPU worker on a free loopback port, for the whole session."""
+    import tomllib
+
+    workdir = tmp_path_factory.mktemp("sluice_server")
+    config_path = workdir / "config.toml"
+    config_path.write_text(TEST_CONFIG)
+    log_path = workdir / "serve.log"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(port)],
+            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    server = SluiceServer(f"http://127.0.0.1:{port}", process, log_path, tomllib.loads(TEST_CONFIG))
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"sluice serve exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if get_json(server.base_url + "/readyz", timeout_s=2.0)[0] == 200:
+                break
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"sluice serve not ready after {SERVER_START_TIMEOUT_S} s:\n{server.log_tail()}")
+        time.sleep(0.5)
+    try:
+        yield server
+        # acceptance 6: after every test, no KV block is still held by a sequence
+        capacity = server.wait_for_capacity(
+            lambda c: c is not None and c["used_kv_blocks"] == 0 and c["num_running"] == 0
+            and c["num_waiting"] == 0, KV_RELEASE_TIMEOUT_S)
+        assert capacity["used_kv_blocks"] == 0, f"KV blocks leaked: {capacity}"
+        assert capacity["num_running"] == 0 and capacity["num_waiting"] == 0, capacity
+    finally:
+        worker_pids = _child_pids(process.pid)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        time.sleep(0.5)
+        survivors = [pid for pid in worker_pids if _alive(pid)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        assert not survivors, f"worker processes outlived the gateway: {survivors}"
+
+
+def _child_pids(pid: int) -> list[int]:
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return []
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

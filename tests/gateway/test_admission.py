@@ -1,0 +1,738 @@
+"""AdmissionController: exact dispatch decisions against a fake capacity view and a controllable clock.
+
+The capacity view and the clock are fakes because these tests pin exact decisions (which ticket goes next, which
+code a rejection carries, what Retry-After says); the real worker pool is exercised by the gateway's own tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from gateway.admission import AdmissionController, TicketState
+from gateway.pressure import PressureLevel, PressureMonitor
+from shared.config import (
+    AdmissionConfig,
+    Config,
+    ConfigError,
+    PressureConfig,
+    PressureLevelConfig,
+    TierConfig,
+)
+from shared.errors import ErrorCode, SluiceError
+
+BLOCK_SIZE = 16
+
+
+class FakeClock:
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+class FakePool:
+    """Workers with a KV block budget and a max_num_seqs; reservations are (worker index, blocks)."""
+
+    def __init__(
+        self, num_workers: int = 1, blocks_per_worker: int = 1000, max_num_seqs: int = 4, rate: float = 0.0
+    ) -> None:
+        self.free_blocks = [blocks_per_worker] * num_workers
+        self.running = [0] * num_workers
+        self.blocks_per_worker = blocks_per_worker
+        self.max_num_seqs = max_num_seqs
+        self.rate_tokens_per_s = rate
+        self.reserved: list[tuple[int, int]] = []
+        self.tiers_reserved: list[str] = []
+
+    def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int]) -> object | None:
+        for i, free in enumerate(self.free_blocks):
+            if free >= demand_blocks and self.running[i] < self.max_num_seqs:
+                self.free_blocks[i] -= demand_blocks
+                self.running[i] += 1
+                reservation = (i, demand_blocks)
+                self.reserved.append(reservation)
+                self.tiers_reserved.append(tier)
+                return reservation
+        return None
+
+    def release(self, reservation: object) -> None:
+        i, blocks = reservation  # type: ignore[misc]
+        self.reserved.remove(reservation)  # type: ignore[arg-type]
+        self.free_blocks[i] += blocks
+        self.running[i] -= 1
+
+    def total_kv_blocks(self) -> int:
+        return self.blocks_per_worker * len(self.free_blocks)
+
+    def block_size_tokens(self) -> int:
+        return BLOCK_SIZE
+
+    def drain_rate_tokens_per_s(self) -> float:
+        return self.rate_tokens_per_s
+
+    def kv_used_fraction(self) -> float:
+        total = self.total_kv_blocks()
+        return 1.0 - sum(self.free_blocks) / total if total else 0.0
+
+
+NEVER = PressureLevelConfig(
+    enter_queue_wait_s=1e9, leave_queue_wait_s=1e9, enter_kv_used_fraction=2.0, leave_kv_used_fraction=2.0
+)
+QUIET_PRESSURE = PressureConfig(elevated=NEVER, critical=NEVER)
+
+
+def tiers(**overrides: dict) -> list[TierConfig]:
+    base = {
+        "vip": dict(priority=3, queue_capacity=8, queue_timeout_s=5.0),
+        "standard": dict(priority=2, queue_capacity=8, queue_timeout_s=15.0),
+        "free": dict(priority=1, queue_capacity=8, queue_timeout_s=30.0),
+        "batch": dict(priority=0, queue_capacity=64, queue_timeout_s=300.0),
+    }
+    for name, values in overrides.items():
+        base[name] = {**base[name], **values}
+    return [TierConfig(name=name, **values) for name, values in base.items()]
+
+
+def make_config(
+    tier_list: list[TierConfig] | None = None,
+    pressure: PressureConfig = QUIET_PRESSURE,
+    **admission: object,
+) -> Config:
+    return Config(
+        tiers=tier_list or tiers(),
+        admission=AdmissionConfig(**admission),  # type: ignore[arg-type]
+        pressure=pressure,
+    )
+
+
+def make_controller(
+    pool: FakePool, clock: FakeClock | None = None, config: Config | None = None, **admission: object
+) -> AdmissionController:
+    return AdmissionController(config or make_config(**admission), pool, clock=clock or FakeClock())
+
+
+def prompt(num_tokens: int) -> list[int]:
+    return list(range(num_tokens))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def queued_task(controller: AdmissionController, ticket) -> asyncio.Task:
+    return asyncio.get_running_loop().create_task(controller.admit(ticket))
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+
+
+async def test_admits_at_once_when_a_worker_has_room():
+    pool = FakePool()
+    controller = make_controller(pool)
+    ticket = controller.make_ticket("standard", prompt(20), max_tokens=12)
+    assert ticket.demand_blocks == 2  # ceil((20 + 12) / 16)
+    reservation = await controller.admit(ticket)
+    assert reservation == (0, 2)
+    assert ticket.state is TicketState.ADMITTED
+    assert ticket.queue_wait_s == 0.0
+    controller.release(ticket, completion_tokens=12)
+    assert pool.reserved == []
+    assert ticket.state is TicketState.RELEASED
+    controller.release(ticket)  # idempotent
+    assert pool.free_blocks == [1000]
+
+
+def admitted(tickets) -> list:
+    return [t for t in tickets if t.state is TicketState.ADMITTED]
+
+
+async def test_strict_priority_dispatches_highest_tier_first():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool)
+    blocker = controller.make_ticket("batch", prompt(8), 8)
+    await controller.admit(blocker)
+    tickets = [controller.make_ticket(tier, prompt(8), 8) for tier in ("free", "batch", "standard", "vip")]
+    tasks = [queued_task(controller, t) for t in tickets]
+    await settle()
+    assert admitted(tickets) == []
+    order = []
+    controller.release(blocker)
+    for _ in range(4):
+        await settle()
+        (running,) = admitted(tickets)
+        order.append(running.tier.name)
+        controller.release(running)
+    await asyncio.gather(*tasks)
+    assert order == ["vip", "standard", "free", "batch"]
+    assert pool.reserved == []
+
+
+async def test_bc28_top_tier_starts_first_when_capacity_frees_under_30_running_low_tier():
+    pool = FakePool(max_num_seqs=30)
+    clock = FakeClock()
+    controller = make_controller(pool, clock)
+    running = [controller.make_ticket("batch", prompt(30), 100) for _ in range(30)]
+    for ticket in running:
+        await controller.admit(ticket)
+    waiting_low = [controller.make_ticket("batch", prompt(30), 100) for _ in range(5)]
+    low_tasks = [queued_task(controller, t) for t in waiting_low]
+    await settle()
+    clock.advance(3.0)  # the low-tier ones have waited 3 s: aged 0.3, still far below the top tier
+    high = controller.make_ticket("vip", prompt(30), 80)
+    high_task = queued_task(controller, high)
+    await settle()
+    assert high.state is TicketState.QUEUED
+    controller.release(running[0])  # one worker step frees one sequence
+    await settle()
+    assert high.state is TicketState.ADMITTED
+    assert high_task.done()
+    assert admitted(waiting_low) == []
+    assert high.queue_wait_s == 0.0  # the fake clock did not move between arrival and the freed capacity
+    for task in low_tasks:
+        task.cancel()
+    await asyncio.gather(*low_tasks, return_exceptions=True)
+
+
+async def test_bc28_lone_low_tier_request_is_not_starved_by_a_top_tier_flood():
+    # Gap vip (3) − free (1) = 2 priority points; at 0.1 per second waited the free request passes a fresh vip
+    # request after 20 s, before its own 30 s deadline.
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, aging_rate_per_s=0.1)
+    current = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(current)
+    lone = controller.make_ticket("free", prompt(8), 8)
+    lone_task = queued_task(controller, lone)
+    waited_s_when_served = None
+    for step in range(40):  # one vip request finishes and a fresh one arrives every second
+        clock.advance(1.0)
+        fresh = controller.make_ticket("vip", prompt(8), 8)
+        fresh_task = queued_task(controller, fresh)
+        await settle()
+        controller.release(current)
+        await settle()
+        if lone.state is TicketState.ADMITTED:
+            waited_s_when_served = clock() - lone.enqueued_s
+            fresh_task.cancel()
+            await asyncio.gather(fresh_task, return_exceptions=True)
+            break
+        assert fresh.state is TicketState.ADMITTED
+        current = fresh
+    assert lone_task.done() and lone_task.exception() is None
+    assert waited_s_when_served is not None
+    assert 19.0 <= waited_s_when_served <= 21.0
+
+
+async def test_fifo_policy_orders_by_arrival_across_tiers():
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, order_policy="fifo")
+    blocker = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(blocker)
+    tickets = []
+    for tier in ("batch", "vip", "free"):
+        tickets.append(controller.make_ticket(tier, prompt(8), 8))
+        queued_task(controller, tickets[-1])
+        await settle()
+        clock.advance(0.1)
+    order = []
+    controller.release(blocker)
+    for _ in range(3):
+        await settle()
+        (running,) = admitted(tickets)
+        order.append(running.tier.name)
+        controller.release(running)
+    assert order == ["batch", "vip", "free"]
+
+
+def test_unknown_order_policy_lists_valid_ones():
+    with pytest.raises(ConfigError, match="priority_aging.*fifo"):
+        make_controller(FakePool(), order_policy="lottery")
+
+
+async def test_head_that_does_not_fit_blocks_lower_tiers_strictly():
+    # 100 blocks; a vip request needing 64 waits for room; a small free request must not jump ahead of it.
+    pool = FakePool(blocks_per_worker=100, max_num_seqs=10)
+    controller = make_controller(pool)
+    filler = controller.make_ticket("standard", prompt(16 * 50 - 8), 8)  # 50 blocks
+    await controller.admit(filler)
+    big_vip = controller.make_ticket("vip", prompt(16 * 64 - 8), 8)
+    small_free = controller.make_ticket("free", prompt(8), 8)
+    tasks = [queued_task(controller, big_vip), queued_task(controller, small_free)]
+    await settle()
+    assert big_vip.state is TicketState.QUEUED and small_free.state is TicketState.QUEUED
+    controller.release(filler)
+    await settle()
+    assert big_vip.state is TicketState.ADMITTED and small_free.state is TicketState.ADMITTED
+    assert pool.tiers_reserved[-2:] == ["vip", "free"]
+    await asyncio.gather(*tasks)
+
+
+# ---------------------------------------------------------------------------------------------------- reserved shares
+
+
+async def test_reserved_share_keeps_room_for_the_top_tier():
+    # 100 blocks, vip reserves 20 %: free requests (10 blocks each) stop at 80 blocks; vip still starts at once.
+    config = make_config(tiers(vip=dict(reserved_kv_fraction=0.2)))
+    pool = FakePool(blocks_per_worker=100, max_num_seqs=100)
+    controller = make_controller(pool, config=config)
+    frees = [controller.make_ticket("free", prompt(16 * 10 - 8), 8) for _ in range(9)]
+    tasks = [queued_task(controller, t) for t in frees]
+    await settle()
+    assert len(admitted(frees)) == 8
+    assert sum(pool.free_blocks) == 20
+    vip = controller.make_ticket("vip", prompt(16 * 10 - 8), 8)
+    await controller.admit(vip)  # into the reserved share, no wait
+    assert sum(pool.free_blocks) == 10
+    assert controller.snapshot()["tiers"]["free"]["queue_depth"] == 1
+    controller.release(vip)
+    await settle()
+    assert frees[8].state is TicketState.QUEUED  # the reserved share is held back again
+    controller.release(frees[0])
+    await settle()
+    assert frees[8].state is TicketState.ADMITTED
+    await asyncio.gather(*tasks)
+
+
+async def test_tier_held_back_by_a_reserved_share_does_not_block_higher_tiers():
+    config = make_config(tiers(vip=dict(reserved_kv_fraction=0.5)))
+    pool = FakePool(blocks_per_worker=100, max_num_seqs=100)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=config)
+    standard_fill = controller.make_ticket("standard", prompt(16 * 50 - 8), 8)
+    await controller.admit(standard_fill)  # 50 blocks: standard has used all that vip does not reserve
+    held = controller.make_ticket("free", prompt(8), 8)
+    held_task = queued_task(controller, held)
+    await settle()
+    clock.advance(25.0)  # aged above a fresh vip (1 + 2.5 > 3), but still held back by vip's unused reserved share
+    vip = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(vip)
+    assert held.state is TicketState.QUEUED
+    controller.release(standard_fill)
+    await settle()
+    assert held.state is TicketState.ADMITTED
+    await held_task
+
+
+# ---------------------------------------------------------------------------------------------------- shedding
+
+
+async def test_bc26_queue_timeout_sheds_with_503_at_the_deadline_and_never_reaches_a_worker():
+    config = make_config(tiers(free=dict(queue_timeout_s=0.05)))
+    pool = FakePool(max_num_seqs=1)
+    controller = AdmissionController(config, pool)  # real monotonic clock: the deadline is a real timer
+    await controller.admit(controller.make_ticket("vip", prompt(8), 8))
+    ticket = controller.make_ticket("free", prompt(8), 8)
+    started_s = time.monotonic()
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(ticket)
+    waited_s = time.monotonic() - started_s
+    assert info.value.code is ErrorCode.QUEUE_TIMEOUT
+    assert info.value.status == 503
+    assert isinstance(info.value.retry_after_s, int) and info.value.retry_after_s >= 1
+    assert 0.05 <= waited_s < 0.05 + 1.0
+    assert ticket.state is TicketState.REJECTED
+    assert pool.tiers_reserved == ["vip"]
+    snap = controller.snapshot()["tiers"]["free"]
+    assert snap["queue_depth"] == 0 and snap["rejected"] == {"queue_timeout": 1}
+
+
+async def test_ticket_past_its_deadline_is_shed_even_when_capacity_frees():
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock)
+    blocker = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(blocker)
+    late = controller.make_ticket("vip", prompt(8), 8)
+    task = queued_task(controller, late)
+    await settle()
+    clock.advance(5.0)  # vip deadline 5 s
+    controller.release(blocker)  # capacity frees after the deadline: shed, not dispatched
+    with pytest.raises(SluiceError) as info:
+        await task
+    assert info.value.code is ErrorCode.QUEUE_TIMEOUT
+    assert pool.tiers_reserved == ["vip"]
+
+
+async def test_bc26_queue_full_is_503_at_once():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool, config=make_config(tiers(free=dict(queue_capacity=2))))
+    await controller.admit(controller.make_ticket("free", prompt(8), 8))
+    waiting = [queued_task(controller, controller.make_ticket("free", prompt(8), 8)) for _ in range(2)]
+    await settle()
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("free", prompt(8), 8))
+    assert info.value.code is ErrorCode.QUEUE_FULL
+    assert info.value.status == 503
+    assert info.value.retry_after_s >= 1
+    # Another tier's queue is independent.
+    other = queued_task(controller, controller.make_ticket("standard", prompt(8), 8))
+    await settle()
+    assert not other.done()
+    for task in [*waiting, other]:
+        task.cancel()
+    await asyncio.gather(*waiting, other, return_exceptions=True)
+
+
+async def test_bc25_retry_after_follows_the_measured_drain_rate():
+    # Two queued free requests of 100 tokens of work each (prompt 36 + max_tokens 64) ahead of the rejected one.
+    results = {}
+    for rate in (10.0, 100.0):
+        pool = FakePool(max_num_seqs=1, rate=rate)
+        controller = make_controller(pool, config=make_config(tiers(free=dict(queue_capacity=2))))
+        await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+        waiting = [queued_task(controller, controller.make_ticket("free", prompt(36), 64)) for _ in range(2)]
+        await settle()
+        with pytest.raises(SluiceError) as info:
+            await controller.admit(controller.make_ticket("free", prompt(36), 64))
+        results[rate] = info.value.retry_after_s
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    assert results == {10.0: 20, 100.0: 2}  # 200 tokens ÷ rate, rounded up
+
+
+async def test_bc25_retry_after_without_any_measurement_falls_back_to_the_tier_deadline():
+    pool = FakePool(max_num_seqs=1, rate=0.0)
+    clock = FakeClock()
+    config = make_config(tiers(free=dict(queue_capacity=1, queue_timeout_s=12.0)), rate_window_s=10.0)
+    controller = make_controller(pool, clock, config=config)
+    await controller.admit(controller.make_ticket("vip", prompt(8), 8))
+    waiting = queued_task(controller, controller.make_ticket("free", prompt(8), 8))
+    await settle()
+    clock.advance(10.5)  # the one dispatch left the rate window: no rate measured at all
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("free", prompt(8), 8))
+    assert info.value.retry_after_s == 12
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_early_rejection_when_the_predicted_wait_misses_the_deadline():
+    # 100 tokens/s; vip deadline 5 s; each queued vip request is 100 tokens of work.
+    pool = FakePool(max_num_seqs=1, rate=100.0)
+    controller = make_controller(pool)
+    await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    waiting = [queued_task(controller, controller.make_ticket("vip", prompt(36), 64)) for _ in range(6)]
+    await settle()
+    assert not any(task.done() for task in waiting)  # each predicted ≤ 5 s when it arrived
+    assert controller.predicted_wait_s("vip") == pytest.approx(6.0)
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    assert info.value.code is ErrorCode.PREDICTED_QUEUE_TIMEOUT
+    assert info.value.status == 503
+    assert info.value.retry_after_s == 1  # 6 s predicted − 5 s deadline
+    pool.rate_tokens_per_s = 40.0  # the workers slow down: 600 tokens ÷ 40 tokens/s = 15 s
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    assert info.value.retry_after_s == 10
+    # A lower tier sees the same work ahead (15 s) and has a 15 s deadline: it queues.
+    standard = queued_task(controller, controller.make_ticket("standard", prompt(36), 64))
+    await settle()
+    assert not standard.done()
+    assert controller.snapshot()["tiers"]["vip"]["rejected"] == {"predicted_queue_timeout": 2}
+    for task in [*waiting, standard]:
+        task.cancel()
+    await asyncio.gather(*waiting, standard, return_exceptions=True)
+
+
+async def test_early_rejection_uses_the_dispatch_rate_when_workers_report_none():
+    pool = FakePool(max_num_seqs=1, rate=0.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, rate_window_s=10.0)
+    clock.advance(10.0)
+    first = controller.make_ticket("vip", prompt(36), 64)
+    await controller.admit(first)  # 100 tokens dispatched in the last 10 s: 10 tokens/s
+    assert controller.drain_rate_tokens_per_s() == pytest.approx(10.0)
+    waiting = queued_task(controller, controller.make_ticket("vip", prompt(36), 64))
+    await settle()
+    with pytest.raises(SluiceError) as info:  # 100 tokens ahead ÷ 10 tokens/s = 10 s > 5 s
+        await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    assert info.value.code is ErrorCode.PREDICTED_QUEUE_TIMEOUT
+    assert info.value.retry_after_s == 5
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_early_rejection_can_be_switched_off():
+    pool = FakePool(max_num_seqs=1, rate=1.0)
+    controller = make_controller(pool, early_rejection=False)
+    await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    waiting = [queued_task(controller, controller.make_ticket("vip", prompt(36), 64)) for _ in range(3)]
+    await settle()
+    assert not any(task.done() for task in waiting)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_bc26_rate_limit_is_429_and_distinct_from_overload_codes():
+    pool = FakePool()
+    clock = FakeClock()
+    controller = make_controller(pool, clock)
+    for _ in range(2):
+        ticket = controller.make_ticket("free", prompt(8), 8, rate_limit_key="sk-a", rpm_limit=2)
+        await controller.admit(ticket)
+        controller.release(ticket)
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("free", prompt(8), 8, rate_limit_key="sk-a", rpm_limit=2))
+    assert info.value.code is ErrorCode.RATE_LIMIT_EXCEEDED
+    assert info.value.status == 429
+    assert info.value.retry_after_s == 30  # one request token refills in 60 s ÷ 2
+    # Another key is not affected.
+    await controller.admit(controller.make_ticket("free", prompt(8), 8, rate_limit_key="sk-b", rpm_limit=2))
+    clock.advance(30.0)
+    await controller.admit(controller.make_ticket("free", prompt(8), 8, rate_limit_key="sk-a", rpm_limit=2))
+    codes = {ErrorCode.RATE_LIMIT_EXCEEDED, ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_TIMEOUT,
+             ErrorCode.PREDICTED_QUEUE_TIMEOUT, ErrorCode.SERVER_OVERLOADED}
+    assert len({code.value for code in codes}) == 5
+
+
+async def test_token_rate_limit_counts_prompt_plus_capped_output():
+    pool = FakePool()
+    controller = make_controller(pool)
+    key = dict(rate_limit_key="sk-t", tpm_limit=1000)
+    await controller.admit(controller.make_ticket("free", prompt(400), 500, **key))  # 900 tokens
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("free", prompt(100), 100, **key))  # needs 200, has 100
+    assert info.value.code is ErrorCode.RATE_LIMIT_EXCEEDED
+    assert info.value.retry_after_s == 6  # 100 tokens at 1000/60 tokens per s
+
+
+async def test_requests_shed_at_arrival_do_not_use_up_the_rate_limit():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool, config=make_config(tiers(free=dict(queue_capacity=1))))
+    key = dict(rate_limit_key="sk-r", rpm_limit=3)
+    await controller.admit(controller.make_ticket("free", prompt(8), 8, **key))
+    waiting = queued_task(controller, controller.make_ticket("free", prompt(8), 8, **key))
+    await settle()
+    for _ in range(3):
+        with pytest.raises(SluiceError) as info:
+            await controller.admit(controller.make_ticket("free", prompt(8), 8, **key))
+        assert info.value.code is ErrorCode.QUEUE_FULL  # not RATE_LIMIT_EXCEEDED: the refused ones were refunded
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_no_worker_is_503_at_once():
+    pool = FakePool(num_workers=0)
+    controller = make_controller(pool)
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("vip", prompt(8), 8))
+    assert info.value.code is ErrorCode.NO_WORKER and info.value.retry_after_s >= 1
+
+
+async def test_draining_sheds_queued_and_refuses_new_requests():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool)
+    running = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(running)
+    waiting = queued_task(controller, controller.make_ticket("free", prompt(8), 8))
+    await settle()
+    controller.start_draining()
+    with pytest.raises(SluiceError) as info:
+        await waiting
+    assert info.value.code is ErrorCode.DRAINING
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("vip", prompt(8), 8))
+    assert info.value.code is ErrorCode.DRAINING and info.value.retry_after_s >= 1
+    controller.release(running)  # in-flight requests still finish normally
+    assert pool.reserved == []
+
+
+# ---------------------------------------------------------------------------------------------------- cancellation
+
+
+async def test_cancel_while_queued_leaves_no_ticket_and_no_reservation():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool)
+    running = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(running)
+    ticket = controller.make_ticket("free", prompt(8), 8)
+    task = queued_task(controller, ticket)
+    await settle()
+    assert controller.snapshot()["tiers"]["free"]["queue_depth"] == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    snap = controller.snapshot()["tiers"]["free"]
+    assert snap["queue_depth"] == 0 and snap["cancelled"] == 1 and snap["in_flight"] == 0
+    assert ticket.state is TicketState.CANCELLED
+    controller.release(running)
+    controller.on_capacity_changed()
+    assert pool.reserved == []
+    assert ticket.state is TicketState.CANCELLED
+
+
+async def test_cancel_in_the_instant_of_admission_gives_the_reservation_back():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool)
+    running = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(running)
+    ticket = controller.make_ticket("free", prompt(8), 8)
+    task = queued_task(controller, ticket)
+    await settle()
+    controller.release(running)  # grants the reservation to the waiting ticket...
+    assert ticket.state is TicketState.ADMITTED
+    task.cancel()  # ...but its waiter is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.reserved == []
+    assert controller.snapshot()["tiers"]["free"]["in_flight"] == 0
+    controller.release(ticket)  # the gateway's finally: a no-op now
+    assert pool.free_blocks == [1000]
+
+
+async def test_a_used_ticket_cannot_be_submitted_twice():
+    controller = make_controller(FakePool())
+    ticket = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(ticket)
+    with pytest.raises(RuntimeError):
+        await controller.admit(ticket)
+
+
+# ---------------------------------------------------------------------------------------------------- pressure
+
+
+PRESSURE = PressureConfig(
+    min_dwell_s=5.0,
+    elevated=PressureLevelConfig(
+        enter_queue_wait_s=2.0, leave_queue_wait_s=1.0, enter_kv_used_fraction=0.8, leave_kv_used_fraction=0.7,
+        queue_timeout_s_by_tier={"free": 3.0},
+    ),
+    critical=PressureLevelConfig(
+        enter_queue_wait_s=8.0, leave_queue_wait_s=4.0, enter_kv_used_fraction=0.95, leave_kv_used_fraction=0.9,
+        shed_tiers=["batch"],
+    ),
+)
+
+
+async def test_critical_pressure_sheds_a_tier_at_arrival_and_in_its_queue():
+    pool = FakePool(blocks_per_worker=100, max_num_seqs=100)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(pressure=PRESSURE))
+    fill = [controller.make_ticket("vip", prompt(16 * 47 - 8), 8) for _ in range(2)]  # 94 blocks
+    for ticket in fill:
+        await controller.admit(ticket)
+    queued_batch = controller.make_ticket("batch", prompt(16 * 10 - 8), 8)
+    batch_task = queued_task(controller, queued_batch)
+    await settle()
+    assert queued_batch.state is TicketState.QUEUED
+    extra = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(extra)  # 95 blocks used
+    controller.on_capacity_changed()
+    assert controller.pressure.level is PressureLevel.CRITICAL
+    with pytest.raises(SluiceError) as info:
+        await batch_task
+    assert info.value.code is ErrorCode.SERVER_OVERLOADED and info.value.retry_after_s >= 5  # dwell left
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("batch", prompt(8), 8))
+    assert info.value.code is ErrorCode.SERVER_OVERLOADED
+    assert controller.snapshot()["tiers"]["batch"]["rejected"] == {"server_overloaded": 2}
+
+
+async def test_elevated_pressure_tightens_the_queue_deadline():
+    pool = FakePool(blocks_per_worker=100, max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(pressure=PRESSURE))
+    await controller.admit(controller.make_ticket("vip", prompt(16 * 81 - 8), 8))  # 81 % of KV: elevated
+    ticket = controller.make_ticket("free", prompt(8), 8)
+    task = queued_task(controller, ticket)
+    await settle()
+    assert controller.pressure.level is PressureLevel.ELEVATED
+    assert ticket.deadline_s - ticket.enqueued_s == 3.0  # not the tier's 30 s
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_pressure_monitor_is_shared_and_injectable():
+    clock = FakeClock()
+    monitor = PressureMonitor(PRESSURE, clock)
+    controller = AdmissionController(make_config(pressure=PRESSURE), FakePool(), pressure=monitor, clock=clock)
+    assert controller.pressure is monitor
+
+
+# ---------------------------------------------------------------------------------------------------- baseline + status
+
+
+async def test_admission_disabled_is_one_fifo_queue_without_deadlines_or_rate_limits():
+    pool = FakePool(max_num_seqs=1, rate=1.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, enabled=False)
+    first = controller.make_ticket("batch", prompt(8), 8, rate_limit_key="k", rpm_limit=1)
+    await controller.admit(first)
+    later = [controller.make_ticket(tier, prompt(8), 8, rate_limit_key="k", rpm_limit=1) for tier in ("free", "vip")]
+    tasks = [queued_task(controller, t) for t in later]
+    await settle()
+    clock.advance(10_000.0)  # far past every deadline: nothing is shed
+    controller.on_capacity_changed()
+    await settle()
+    assert [t.state for t in later] == [TicketState.QUEUED, TicketState.QUEUED]
+    controller.release(first)
+    await settle()
+    assert [t.state for t in later] == [TicketState.ADMITTED, TicketState.QUEUED]  # arrival order, not tier
+    controller.release(later[0])
+    await asyncio.gather(*tasks)
+    assert controller.snapshot()["order_policy"] == "fifo"
+
+
+async def test_snapshot_reports_depth_wait_counts_and_rates():
+    pool = FakePool(max_num_seqs=1, rate=50.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock)
+    await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    task = queued_task(controller, controller.make_ticket("standard", prompt(36), 64))
+    await settle()
+    clock.advance(1.5)
+    snap = controller.snapshot()
+    assert snap["drain_rate_tokens_per_s"] == 50.0
+    assert snap["tiers"]["vip"]["admitted"] == 1 and snap["tiers"]["vip"]["in_flight"] == 1
+    assert snap["tiers"]["standard"]["queue_depth"] == 1
+    assert snap["tiers"]["standard"]["oldest_wait_s"] == 1.5
+    assert snap["tiers"]["standard"]["predicted_wait_s"] == 2.0  # 100 tokens ÷ 50 tokens/s
+    assert snap["tiers"]["free"]["predicted_wait_s"] == 2.0  # the standard work is ahead of free too
+    assert snap["tiers"]["vip"]["predicted_wait_s"] == 0.0
+    assert snap["pressure"]["level"] == "normal"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_expected_output_is_learned_from_finished_requests():
+    pool = FakePool(rate=100.0)
+    controller = make_controller(pool)
+    for _ in range(100):
+        ticket = controller.make_ticket("vip", prompt(10), 100)
+        await controller.admit(ticket)
+        controller.release(ticket, completion_tokens=10)
+    assert controller.snapshot()["expected_output_fraction"] < 0.2
+    assert controller.make_ticket("vip", prompt(10), 100).expected_work_tokens < 30
+
+
+async def test_a_view_that_reports_capacity_from_inside_release_is_handled():
+    class ReentrantPool(FakePool):
+        controller: AdmissionController
+
+        def release(self, reservation: object) -> None:
+            super().release(reservation)
+            self.controller.on_capacity_changed()  # e.g. the pool re-announces capacity synchronously
+
+    pool = ReentrantPool(max_num_seqs=1)
+    controller = make_controller(pool)
+    pool.controller = controller
+    first = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(first)
+    second = controller.make_ticket("vip", prompt(8), 8)
+    task = queued_task(controller, second)
+    await settle()
+    controller.release(first)
+    await task
+    assert second.state is TicketState.ADMITTED and len(pool.reserved) == 1

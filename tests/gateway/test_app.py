@@ -1,0 +1,161 @@
+"""The app's error ladder and operational endpoints, in-process and without workers (validation runs first).
+
+Every request here fails or succeeds before any worker is involved; with no worker connected, a *valid* generation
+request gets 503 ``no_worker_available`` with Retry-After (and /readyz is 503).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.app import build_app
+from gateway.state import GatewayOptions
+from shared.config import Config, with_overrides
+
+MODEL = Config().model.name
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+async def client(tokenizer):
+    config = with_overrides(Config(), gateway={"max_body_bytes": 64 * 1024})
+    app = build_app(GatewayOptions(config=config, spawn_local_workers=False), tokenizer=tokenizer)
+    async with TestClient(TestServer(app)) as test_client:
+        yield test_client
+
+
+async def _post(client, path: str, body=None, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    response = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+    return response.status, response.headers, await response.read()
+
+
+def _envelope(raw: bytes) -> dict:
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["code"], str)
+    return error
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream": true, x}',
+    b'"just a string"', b"[]", b"null", b"",
+    b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]',
+])
+async def test_bc22_invalid_json_bodies_are_json_400(client, raw):
+    status, headers, body = await _post(client, CHAT, raw=raw.replace(b"M", MODEL.encode()))
+    assert status == 400
+    assert headers["Content-Type"].startswith("application/json")
+    assert _envelope(body)["type"] == "invalid_request_error"
+    assert headers["x-request-id"]
+
+
+async def test_bc22_trailing_comma_on_completions_is_400(client):
+    raw = b'{"model": "%s", "prompt": "hi", "max_tokens": 4,}' % MODEL.encode()
+    status, _, body = await _post(client, "/v1/completions", raw=raw)
+    assert status == 400 and _envelope(body)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL, "messages": [], "max_tokens": 64}, 400, "messages"),
+    ({"model": MODEL, "max_tokens": 64}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 8}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 123}], "max_tokens": 8}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 8}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "does-not-exist", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+])
+async def test_bc23_empty_messages_and_wrong_types(client, body, status, param):
+    got_status, _, raw = await _post(client, CHAT, body)
+    error = _envelope(raw)
+    assert got_status == status and error["param"] == param
+    if status == 404:
+        assert "model" in error["code"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, -5, 1.5, "10"])
+async def test_bc19_bad_max_tokens_rejected_fast(client, max_tokens):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write the numbers from 1 to 5000"}],
+            "max_tokens": max_tokens}
+    status, _, raw = await _post(client, CHAT, body)
+    assert status == 400 and _envelope(raw)["param"] == "max_tokens"
+
+
+async def test_bc06_stream_validation_error_is_json_not_sse(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+            "stream": True, "top_p": 1.5}
+    status, headers, raw = await _post(client, CHAT, body)
+    assert status == 400 and headers["Content-Type"].startswith("application/json")
+    assert not raw.startswith(b"data:") and _envelope(raw)["message"]
+
+
+async def test_context_length_exceeded(client, tokenizer):
+    prompt = list(range(100, 100 + 9000))  # more token ids than the default 8192-token context
+    status, _, raw = await _post(client, "/v1/completions", {"model": MODEL, "prompt": prompt})
+    assert status == 400 and _envelope(raw)["code"] == "context_length_exceeded"
+
+
+async def test_body_over_limit_is_413_envelope(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (70 * 1024)}]}
+    status, _, raw = await _post(client, CHAT, body)
+    assert status == 413 and _envelope(raw)["code"] == "request_too_large"
+
+
+async def test_unknown_route_404_and_wrong_method_405_in_envelope(client):
+    response = await client.get("/v1/nope")
+    assert response.status == 404 and _envelope(await response.read())["code"] == "not_found"
+    response = await client.get(CHAT)
+    assert response.status == 405 and _envelope(await response.read())["code"] == "method_not_allowed"
+
+
+async def test_no_worker_is_503_with_retry_after_and_not_ready(client):
+    status, headers, raw = await _post(client, CHAT, {"model": MODEL, "messages": [{"role": "user",
+                                                                                    "content": "hi"}]})
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert _envelope(raw)["code"] == "no_worker_available"
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/healthz")).status == 200
+
+
+async def test_models_status_metrics(client):
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == MODEL
+    status = await (await client.get("/status")).json()
+    assert status["model"] == MODEL and status["workers"] == []
+    text = await (await client.get("/metrics")).text()
+    assert 'sluice_requests_total{endpoint="/v1/chat/completions",status="400"}' in text
+    assert "sluice_active_requests 0.0" in text
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+_field_values = {
+    "model": st.just(MODEL) | _json_values,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot", 3]),
+                                                "content": _json_values}), max_size=3) | _json_values,
+    "prompt": _json_values | st.lists(st.integers(min_value=-5, max_value=60000), max_size=5),
+    "max_tokens": _json_values, "temperature": _json_values, "top_p": _json_values, "n": _json_values,
+    "stop": _json_values, "seed": _json_values, "stream": _json_values, "stream_options": _json_values,
+    "logprobs": _json_values, "top_k": _json_values,
+}
+_bodies = (
+    st.fixed_dictionaries({}, optional=_field_values).map(lambda d: json.dumps(d).encode())
+    | _json_values.map(lambda v: json.dumps(v).encode())
+    | st.binary(max_size=64)
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_bodies, path=st.sampled_from([CHAT, "/v1/completions"]))
+async def test_malformed_bodies_never_5xx_in_process(client, body, path):
+    status, _, raw = await _post(client, path, raw=body)
+    error = _envelope(raw)
+    # the only allowed 5xx without a worker: a valid request that would need one
+    assert status < 500 or (status == 503 and error["code"] == "no_worker_available"), (status, raw)

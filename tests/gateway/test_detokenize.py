@@ -1,0 +1,57 @@
+"""Incremental detokenization with the real SmolLM2 tokenizer (BC11, BC12)."""
+
+from __future__ import annotations
+
+import random
+
+from gateway.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
+
+MIXED_TEXT = "Repeat: 霓虹灯 🌶️ 🐱 👨‍👩‍👧 ďábelské Ελληνικά 日本語テキスト, done."
+
+
+def _stream(tokenizer, token_ids: list[int], step: int = 1) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(token_ids[i:i + step]) for i in range(0, len(token_ids), step)]
+    pieces.append(detok.flush())
+    return pieces
+
+
+def test_bc11_multibyte_characters_split_across_tokens_never_emit_replacement(tokenizer):
+    token_ids = tokenizer.encode_text_sync(MIXED_TEXT)
+    # the premise of BC11: 霓 alone spans several byte-level tokens, each invalid UTF-8 on its own
+    ni_ids = tokenizer.encode_text_sync("霓")
+    assert len(ni_ids) > 1 and REPLACEMENT_CHAR in tokenizer.decode(ni_ids[:1])
+    pieces = _stream(tokenizer, token_ids)
+    assert all(REPLACEMENT_CHAR not in piece for piece in pieces)
+    assert "".join(pieces) == MIXED_TEXT
+
+
+def test_bc11_streamed_equals_whole_decode_for_any_chunking(tokenizer):
+    token_ids = tokenizer.encode_text_sync(MIXED_TEXT * 3)
+    for step in (1, 2, 3, 7):
+        assert "".join(_stream(tokenizer, token_ids, step)) == tokenizer.decode(token_ids)
+
+
+def test_bc12_invalid_bytes_at_end_are_flushed_as_replacement_not_crash(tokenizer):
+    ni_ids = tokenizer.encode_text_sync("ok 霓")
+    truncated = ni_ids[:-1]  # the last character's final byte never arrives
+    detok = IncrementalDetokenizer(tokenizer)
+    held = detok.push(truncated)
+    assert REPLACEMENT_CHAR not in held
+    tail = detok.flush()
+    assert (held + tail) == tokenizer.decode(truncated)
+    assert tail.endswith(REPLACEMENT_CHAR)
+
+
+def test_bc12_random_token_soup_never_crashes_and_matches_decode(tokenizer):
+    rng = random.Random(0)
+    # byte-fallback tokens (ids 0..255 region holds single bytes for a byte-level BPE) mixed with words
+    for _ in range(20):
+        token_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 40))]
+        pieces = _stream(tokenizer, token_ids, rng.choice((1, 2, 5)))
+        assert "".join(pieces) == tokenizer.decode(token_ids)
+
+
+def test_special_tokens_are_skipped(tokenizer):
+    token_ids = tokenizer.encode_text_sync("Hello there") + tokenizer.eos_token_ids
+    assert "".join(_stream(tokenizer, token_ids)) == "Hello there"

@@ -1,0 +1,107 @@
+"""Request validation: msgspec schemas → 400 with the field in ``param`` (BC19, BC22, BC23)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway import openai_api
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest, decode_body
+from shared.errors import ErrorCode, SluiceError
+
+
+def _chat_error(body: bytes) -> SluiceError:
+    with pytest.raises(SluiceError) as info:
+        request = decode_body(body, ChatCompletionRequest)
+        openai_api.check_unsupported(request)
+        openai_api.chat_messages(request)
+    return info.value
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "m", "messages": [], x}', b'', b'{"model": "m"',
+                                 b'{"model": "m", "prompt": "hi",}', b'\xff\xfe'])
+def test_bc22_invalid_json_is_invalid_json(raw):
+    error = _chat_error(raw)
+    assert error.code is ErrorCode.INVALID_JSON and error.status == 400
+
+
+@pytest.mark.parametrize("raw", [b'"just a string"', b'[]', b'null', b'42'])
+def test_bc22_non_object_body_is_400(raw):
+    error = _chat_error(raw)
+    assert error.status == 400 and error.code is ErrorCode.INVALID_TYPE
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "m", "messages": []}', "messages"),
+    (b'{"model": "m"}', "messages"),
+    (b'{"model": "m", "messages": [{"role": "user"}]}', "messages[0].content"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": 123}]}', "messages[0].content"),
+    (b'{"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}', "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}', "top_p"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+     "messages[0].content[0].type"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
+     "presence_penalty"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999999}', "seed"),
+])
+def test_bc23_bad_fields_are_400_naming_the_field(body, param):
+    error = _chat_error(body)
+    assert error.status == 400
+    assert error.param == param
+    if param == "messages":
+        assert "messages" in error.message
+
+
+@pytest.mark.parametrize("value", [b"0", b"-5", b"1.5", b'"10"', b"-1"])
+def test_bc19_max_tokens_zero_negative_fractional_string_is_400(value):
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + value + b"}"
+    error = _chat_error(body)
+    assert error.status == 400 and error.param == "max_tokens"
+
+
+def test_bc18_null_max_tokens_means_default():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "t"}], "max_tokens": null,' \
+           b' "max_completion_tokens": null}'
+    assert openai_api.requested_max_tokens(decode_body(body, ChatCompletionRequest)) is None
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "t"}], "max_tokens": 9,' \
+           b' "max_completion_tokens": 5}'
+    assert openai_api.requested_max_tokens(decode_body(body, ChatCompletionRequest)) == 5
+
+
+def test_unknown_fields_are_ignored_and_content_parts_joined():
+    body = (b'{"model": "m", "totally_unknown_field": [1, 2], "messages": [{"role": "developer", "name": "x",'
+            b' "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},'
+            b' {"role": "assistant", "content": null}]}')
+    request = decode_body(body, ChatCompletionRequest)
+    assert openai_api.chat_messages(request) == [{"role": "developer", "content": "a\nb"},
+                                                 {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ('"hi"', ["hi"]), ('["a", "b"]', ["a", "b"]), ("[1, 2, 3]", [[1, 2, 3]]), ("[[1], [2, 3]]", [[1], [2, 3]]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    request = decode_body(b'{"model": "m", "prompt": ' + prompt.encode() + b"}", CompletionRequest)
+    assert openai_api.completion_prompts(request) == expected
+
+
+@pytest.mark.parametrize("prompt, param", [("[]", "prompt"), ('[1, "a"]', "prompt"), ("[[1], []]", "prompt[1]"),
+                                          ("[true]", "prompt")])
+def test_bad_completion_prompts_are_400(prompt, param):
+    request = decode_body(b'{"model": "m", "prompt": ' + prompt.encode() + b"}", CompletionRequest)
+    with pytest.raises(SluiceError) as info:
+        openai_api.completion_prompts(request)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_stop_strings_limit_and_empty_strings():
+    assert openai_api.stop_strings("x", 4) == ["x"]
+    assert openai_api.stop_strings(["", "a"], 4) == ["a"]
+    with pytest.raises(SluiceError) as info:
+        openai_api.stop_strings(["a"] * 5, 4)
+    assert info.value.param == "stop"

@@ -1,0 +1,162 @@
+"""Cache simulator: hand-computed hit rates, Belady as an upper bound, trace loading, the CLI's outputs."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from sluice.cli import main as sluice_main
+from worker.kv_cache.cachesim import (
+    DEFAULT_TIER_MIX,
+    PrefixCacheSim,
+    TraceRequest,
+    compare,
+    load_trace,
+    simulate_belady,
+    simulate_policy,
+    tier_of,
+    trace_stats,
+)
+from worker.kv_cache.eviction import make_policy, policy_names
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_fast25" / "conversation_trace.jsonl"
+
+
+def write_trace(path: Path, rows: list[tuple[int, list[int]]], partial: bool = False) -> Path:
+    """Write (timestamp ms, hash_ids) rows; every block is full unless ``partial``."""
+    with open(path, "w", encoding="utf-8") as f:
+        for timestamp_ms, hash_ids in rows:
+            input_length = len(hash_ids) * 512 - (100 if partial else 0)
+            f.write(json.dumps({"timestamp": timestamp_ms, "input_length": input_length, "output_length": 10,
+                                "hash_ids": hash_ids}) + "\n")
+    return path
+
+
+TINY = [(0, [0, 1, 2, 3]), (1000, [0, 1, 2, 4]), (2000, [0, 1, 5]), (3000, [0, 1, 2, 3])]
+
+
+def test_load_trace_drops_the_shared_first_block_and_flags_partial_tails(tmp_path: Path) -> None:
+    rows = [(2000, [0, 1, 5]), (0, [0, 1, 2, 3])]  # out of order on purpose
+    requests = load_trace(write_trace(tmp_path / "t.jsonl", rows, partial=True))
+    assert [r.block_hashes for r in requests] == [(1, 2, 3), (1, 5)]
+    assert [r.arrival_s for r in requests] == [0.0, 2.0]
+    assert all(r.last_block_partial for r in requests)
+    kept = load_trace(tmp_path / "t.jsonl", drop_shared_first_block=False)
+    assert kept[0].block_hashes == (0, 1, 2, 3)
+    mixed = load_trace(write_trace(tmp_path / "m.jsonl", [(0, [0, 1]), (1, [7, 8])]))
+    assert [r.block_hashes for r in mixed] == [(0, 1), (7, 8)]  # no block shared by all: nothing dropped
+
+
+def test_lru_hit_rate_on_a_tiny_trace_matches_the_hand_count(tmp_path: Path) -> None:
+    """Capacity 4 blocks, LRU, chains released tail first.
+
+    r1 [1 2 3]: 0 hits.                 LRU order (oldest first): 3 2 1
+    r2 [1 2 4]: hits 1 2; 4 -> free.    order: 3 4 2 1
+    r3 [1 5]:   hit 1; 5 evicts 3.      order: 4 2 5 1
+    r4 [1 2 3]: hits 1 2; 3 evicts 4.   total 5 hits / 11 refs
+    """
+    requests = load_trace(write_trace(tmp_path / "t.jsonl", TINY))
+    lru = simulate_policy(requests, 4, "lru")
+    assert (lru.num_hit_blocks, lru.num_block_refs, lru.num_evictions) == (5, 11, 2)
+    belady = simulate_belady(requests, 4)
+    # MIN keeps 3 over 4 and bypasses 5 (both never used again): 6 hits, the compulsory bound (11 - 5 distinct)
+    assert (belady.num_hit_blocks, belady.num_block_refs) == (6, 11)
+    assert trace_stats(requests)["compulsory_bound_hit_rate"] == pytest.approx(6 / 11)
+
+
+def test_hits_stop_at_the_first_miss_even_when_later_blocks_are_cached() -> None:
+    sim = PrefixCacheSim(8, make_policy("lru"))
+    sim.access(TraceRequest(0.0, (1, 2, 3), False))
+    sim.prefix_cache.remove(sim.prefix_cache._hash_to_block_id[2], 2)  # forget the middle block only
+    assert sim.access(TraceRequest(1.0, (1, 2, 3), False)) == 1  # 3 is still cached but follows a miss
+    assert sim.pool.num_used_blocks == 0  # every block released after each request
+
+
+def test_sluice_evicts_a_newer_partial_tail_before_an_older_reusable_block() -> None:
+    """Capacity 4. r1 caches [1 2]; r2 caches [5 9], 9 partial; r3 needs one block; r4 returns to [1 2].
+
+    LRU evicts 2 (oldest; chains go tail first) and r4 hits only block 1; sluice evicts the partial block 9
+    (prior reuse 0.02 vs 0.25 -> key 1 + 300 ln 0.02 = -1172 s vs 0 + 300 ln 0.25 = -416 s) and r4 hits both.
+    """
+    requests = [TraceRequest(0.0, (1, 2), False), TraceRequest(1.0, (5, 9), True),
+                TraceRequest(2.0, (7,), False), TraceRequest(3.0, (1, 2), False)]
+    assert simulate_policy(requests, 4, "lru").num_hit_blocks == 1
+    assert simulate_policy(requests, 4, "sluice").num_hit_blocks == 2
+
+
+def synthetic_requests(seed: int, num_conversations: int = 60, num_requests: int = 400) -> list[TraceRequest]:
+    """Conversations that return with a growing history: a returning turn adds 1–3 blocks to its last prompt."""
+    rng = random.Random(seed)
+    next_hash = 1
+    histories: list[list[int]] = []
+    requests = []
+    for i in range(num_requests):
+        if histories and rng.random() < 0.6:
+            history = rng.choice(histories)
+        else:
+            history = []
+            histories.append(history)
+        for _ in range(rng.randint(1, 3) if history else rng.randint(2, 8)):
+            history.append(next_hash)
+            next_hash += 1
+        tier, priority = tier_of(history[0], DEFAULT_TIER_MIX)
+        requests.append(TraceRequest(float(i), tuple(history), False, tier, priority))
+        if len(histories) > num_conversations:
+            histories.pop(0)
+    return requests
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_belady_bounds_every_policy_on_a_synthetic_trace(seed: int) -> None:
+    requests = synthetic_requests(seed)
+    num_distinct = trace_stats(requests)["num_distinct_blocks"]
+    for capacity_blocks in (num_distinct // 20, num_distinct // 10, num_distinct // 4):
+        runs = compare(requests, [capacity_blocks], policy_names())
+        belady = runs[0]["belady"]["hit_rate"]
+        assert 0.0 < belady <= trace_stats(requests)["compulsory_bound_hit_rate"] + 1e-12
+        for name, result in runs[0]["policies"].items():
+            assert result["hit_rate"] <= belady + 1e-12, (name, capacity_blocks)
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake conversation trace not present")
+def test_belady_bounds_every_policy_on_a_mooncake_slice_and_lru_is_below_it() -> None:
+    requests = load_trace(MOONCAKE, max_requests=1500)
+    num_distinct = trace_stats(requests)["num_distinct_blocks"]
+    runs = compare(requests, [num_distinct // 20, num_distinct // 10], policy_names())
+    for entry in runs:
+        belady = entry["belady"]["hit_rate"]
+        for name, result in entry["policies"].items():
+            assert result["hit_rate"] <= belady + 1e-12, (name, entry["capacity_blocks"])
+        assert entry["policies"]["lru"]["fraction_of_belady"] < 0.95  # the gap the policies compete in
+
+
+def test_tier_mix_is_deterministic_and_close_to_its_percents() -> None:
+    tiers = [tier_of(h, DEFAULT_TIER_MIX)[0] for h in range(20000)]
+    assert tiers == [tier_of(h, DEFAULT_TIER_MIX)[0] for h in range(20000)]
+    for name, _, percent in DEFAULT_TIER_MIX:
+        assert abs(tiers.count(name) / len(tiers) - percent / 100) < 0.02
+
+
+def test_cli_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    status = sluice_main(["cachesim", str(trace), "--capacity-blocks", "4", "--capacity-blocks", "5",
+                          "--policy", "lru,sluice", "--json", str(out_json), "--plot", str(out_png)])
+    assert status == 0
+    report = json.loads(out_json.read_text())
+    assert [run["capacity_blocks"] for run in report["runs"]] == [4, 5]
+    assert report["runs"][0]["policies"]["lru"]["hit_rate"] == pytest.approx(5 / 11)
+    assert report["runs"][0]["belady"]["hit_rate"] == pytest.approx(6 / 11)
+    assert set(report["runs"][0]["policies"]) == {"lru", "sluice"}
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "belady" in capsys.readouterr().out
+
+
+def test_cli_rejects_an_unknown_policy_with_the_valid_names(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    assert sluice_main(["cachesim", str(trace), "--policy", "arc"]) == 2
+    assert "valid: lfu, lru, sluice, tier, ttl" in capsys.readouterr().err

@@ -1,0 +1,233 @@
+"""Eviction policies: exact victim order on small hand-built histories, TTL expiry, tier order, LFU aging, the
+return-aware policy's learning, pressure switching, and the name registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from worker.kv_cache.eviction import (
+    BlockMeta,
+    EvictionPolicy,
+    LFUPolicy,
+    RetentionConfig,
+    RetentionSettings,
+    SluicePolicy,
+    block_expiry_s,
+    caches_new_request,
+    make_policy,
+    policy_names,
+    retention_for_pressure,
+)
+
+
+def drain(policy: EvictionPolicy, now_s: float = 0.0) -> list[int]:
+    """Pop every victim in order."""
+    victims = []
+    while (block_id := policy.pop_victim(now_s)) is not None:
+        victims.append(block_id)
+    return victims
+
+
+def meta(block_id: int, **fields) -> BlockMeta:
+    return BlockMeta(block_hash=1000 + block_id, **fields)
+
+
+def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
+    assert policy_names() == ["lfu", "lru", "sluice", "tier", "ttl"]
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: lfu, lru, sluice, tier, ttl"):
+        make_policy("mru")
+    for name in policy_names():
+        policy = make_policy(name)
+        assert policy.name == name and len(policy) == 0 and policy.pop_victim(0.0) is None
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "ttl", "tier", "sluice"])
+def test_every_policy_tracks_membership_and_removal(name: str) -> None:
+    policy = make_policy(name)
+    for block_id in (1, 2, 3):
+        policy.insert(block_id, meta(block_id), 0.0)
+    policy.remove(2)
+    assert len(policy) == 2 and 2 not in policy and 1 in policy
+    with pytest.raises(KeyError):
+        policy.remove(2)
+    assert sorted(drain(policy)) == [1, 3]
+    assert len(policy) == 0
+
+
+def test_lru_victim_order_follows_release_and_reuse() -> None:
+    policy = make_policy("lru")
+    for block_id in (3, 2, 1):  # one chain released tail first
+        policy.insert(block_id, meta(block_id), 0.0)
+    policy.insert(7, meta(7), 1.0)
+    policy.remove(2)  # reused by a request ...
+    policy.insert(2, meta(2), 2.0)  # ... and released again: now most recent
+    assert drain(policy) == [3, 1, 7, 2]
+
+
+def test_lfu_evicts_least_frequent_first_ties_oldest_first() -> None:
+    policy = LFUPolicy()
+    policy.insert(1, meta(1, num_hits=0), 0.0)  # key 1
+    policy.insert(2, meta(2, num_hits=2), 0.0)  # key 3
+    policy.insert(3, meta(3, num_hits=0), 0.0)  # key 1, inserted after block 1
+    policy.insert(4, meta(4, num_hits=1), 0.0)  # key 2
+    assert drain(policy) == [1, 3, 4, 2]
+
+
+def test_lfu_aging_lets_a_new_block_outrank_a_stale_popular_one() -> None:
+    """LFU-DA: the inflation value L rises to each victim's key, so new blocks enter above old counts."""
+    policy = LFUPolicy()
+    policy.insert(1, meta(1, num_hits=4), 0.0)  # key 5, popular long ago
+    for block_id in (10, 11, 12, 13):
+        policy.insert(block_id, meta(block_id, num_hits=2), 0.0)  # key 3
+    assert [policy.pop_victim(0.0) for _ in range(4)] == [10, 11, 12, 13]
+    assert policy.inflation == 3.0
+    policy.insert(20, meta(20, num_hits=2), 0.0)  # key 3 + 3 = 6 > 5
+    policy.insert(21, meta(21, num_hits=0), 0.0)  # key 4
+    assert drain(policy) == [21, 1, 20]
+    assert policy.inflation == 6.0
+
+
+def test_lfu_without_aging_would_keep_the_stale_block() -> None:
+    """Control for the aging test: with equal inflation, the popular block outlives a one-hit newcomer."""
+    policy = LFUPolicy()
+    policy.insert(1, meta(1, num_hits=4), 0.0)
+    policy.insert(2, meta(2, num_hits=0), 0.0)
+    assert drain(policy) == [2, 1]
+
+
+def test_ttl_evicts_expired_blocks_first_then_lru() -> None:
+    policy = make_policy("ttl")
+    policy.insert(1, meta(1), 0.0)  # never expires, oldest
+    policy.insert(2, meta(2, expires_at_s=50.0), 1.0)
+    policy.insert(3, meta(3, expires_at_s=20.0), 2.0)
+    policy.insert(4, meta(4, expires_at_s=500.0), 3.0)
+    assert policy.pop_victim(10.0) == 1  # nothing expired yet: LRU
+    assert policy.pop_victim(60.0) == 3  # both 2 and 3 expired: earliest deadline first
+    assert policy.pop_victim(60.0) == 2
+    assert policy.pop_victim(60.0) == 4  # not expired, LRU
+
+
+def test_ttl_ignores_the_deadline_of_a_reused_block() -> None:
+    policy = make_policy("ttl")
+    policy.insert(1, meta(1, expires_at_s=5.0), 0.0)
+    policy.insert(2, meta(2), 1.0)
+    policy.remove(1)  # reused: the old deadline no longer applies
+    policy.insert(1, meta(1, expires_at_s=100.0), 2.0)
+    assert policy.pop_victim(10.0) == 2
+    assert policy.pop_victim(200.0) == 1
+
+
+def test_tier_evicts_lower_tiers_first_then_lru_within_a_tier() -> None:
+    policy = make_policy("tier")
+    policy.insert(1, meta(1, tier="vip", tier_priority=3), 0.0)
+    policy.insert(2, meta(2, tier="free", tier_priority=1), 1.0)
+    policy.insert(3, meta(3, tier="standard", tier_priority=2), 2.0)
+    policy.insert(4, meta(4, tier="free", tier_priority=1), 3.0)
+    policy.insert(5, meta(5, tier="batch", tier_priority=0), 4.0)
+    policy.insert(6, meta(6, tier="vip", tier_priority=3), 5.0)
+    policy.remove(2)
+    policy.insert(2, meta(2, tier="free", tier_priority=1), 6.0)  # reused: newest of its tier
+    assert drain(policy) == [5, 4, 2, 3, 1, 6]
+
+
+def test_sluice_evicts_partial_tail_blocks_first_and_chains_tail_first() -> None:
+    policy = SluicePolicy()
+    request = dict(num_request_blocks=3, num_request_cached_blocks=0)
+    # one request's chain released tail first at t=0: block 12 is the partial last block
+    policy.insert(12, meta(12, block_idx=2, is_partial=True, **request), 0.0)
+    policy.insert(11, meta(11, block_idx=1, **request), 0.0)
+    policy.insert(10, meta(10, block_idx=0, **request), 0.0)
+    assert drain(policy) == [12, 11, 10]
+
+
+def test_sluice_keeps_a_reused_block_over_a_newer_one_time_block() -> None:
+    policy = SluicePolicy(horizon_s=300.0, ghost_factor=0.0)  # evicted hashes leave the ghost list at once
+    for block_id in range(100, 110):  # ten one-time blocks die unused: observed non-reuses of class "new"
+        policy.insert(block_id, meta(block_id), 0.0)
+        assert policy.pop_victim(0.0) == block_id
+    policy.insert(1, meta(1), 0.0)
+    policy.remove(1)  # a prefix hit: one reuse of class "new"
+    policy.insert(1, meta(1, num_hits=1), 0.0)  # used twice now
+    policy.insert(2, meta(2), 10.0)  # 10 s newer, used once
+    assert policy.reuse_probability(("new", False, 1)) == pytest.approx((1 + 5) / (11 + 20))
+    assert policy.reuse_probability(("used", 2)) == 0.25  # the prior: nothing observed yet
+    # keys: block 1 = 0 + 300 ln 0.25 = -415.9; block 2 = 10 + 300 ln 0.194 = -482.9 -> LRU would evict 1 first
+    assert drain(policy, 10.0) == [2, 1]
+
+
+def test_sluice_learns_class_reuse_and_orders_by_log_probability() -> None:
+    policy = SluicePolicy(horizon_s=100.0, prior_reuse=0.25, prior_weight=20.0)
+    returning_short = dict(num_request_blocks=10, num_request_cached_blocks=8)  # returning, 2 new blocks
+    fresh_long = dict(num_request_blocks=200, num_request_cached_blocks=0)  # fresh, 200 new blocks
+    # Teach it: blocks of short returning turns come back (prefix hits), long fresh prompts' blocks do not
+    # (evicted, and their ghosts age out).
+    for i in range(60):
+        policy.insert(i, meta(i, **returning_short), 0.0)
+        policy.remove(i)
+    policy.ghost_factor = 0.0  # every evicted hash leaves the ghost list at once: an observed non-reuse
+    for i in range(100, 160):
+        policy.insert(i, meta(i, **fresh_long), 0.0)
+        assert policy.pop_victim(0.0) == i
+    p_short = policy.reuse_probability(("new", True, 2))
+    p_long = policy.reuse_probability(("new", False, 256))
+    assert p_short == pytest.approx((60 + 5) / (60 + 20))
+    assert p_long == pytest.approx(5 / (60 + 20))
+    # A fresh long-prompt block released 100 s *after* a returning turn's block is still evicted first:
+    # key = last_use + H ln p  ->  0 + 100 ln 0.8125 = -20.8  vs  100 + 100 ln 0.0625 = -177.3
+    policy.insert(500, meta(500, **returning_short), 0.0)
+    policy.insert(501, meta(501, **fresh_long), 100.0)
+    assert drain(policy, 100.0) == [501, 500]
+    assert 100.0 + 100.0 * math.log(p_long) < 100.0 * math.log(p_short)
+
+
+def test_sluice_ghost_hit_counts_as_a_return_and_as_a_second_use() -> None:
+    policy = SluicePolicy(ghost_factor=2.0)
+    policy.insert(1, meta(1), 0.0)
+    policy.insert(2, meta(2), 1.0)
+    assert policy.pop_victim(1.0) == 1  # block_hash 1001 goes to the ghost list
+    policy.insert(7, BlockMeta(block_hash=1001), 5.0)  # the same content is computed again in a new block
+    assert policy.num_reuses == {("new", False, 1): 1}
+    assert policy.num_outcomes == {("new", False, 1): 1}
+    # the recomputed block is now known as used twice, so it outranks block 2 (used once) at equal probability
+    assert policy._uses[7] == 2
+
+
+def test_pressure_levels_return_their_settings_and_reject_unknown_levels() -> None:
+    config = RetentionConfig()
+    assert retention_for_pressure("normal", config) == RetentionSettings()
+    elevated = retention_for_pressure("elevated", config)
+    critical = retention_for_pressure("critical", config)
+    assert (elevated.ttl_scale, elevated.max_ttl_s, elevated.min_retained_tier_priority) == (0.5, 300.0, 1)
+    assert critical.eviction_policy == "tier" and critical.min_cached_tier_priority == 1
+    with pytest.raises(ValueError, match="unknown pressure level 'panic'; valid: normal, elevated, critical"):
+        retention_for_pressure("panic", config)
+
+
+def test_pressure_switching_shortens_ttls_and_retains_only_top_tiers() -> None:
+    config = RetentionConfig()
+    normal, elevated, critical = (retention_for_pressure(level, config) for level in
+                                  ("normal", "elevated", "critical"))
+    vip, standard, free, batch = 3, 2, 1, 0
+    now_s = 1000.0
+    assert block_expiry_s(normal, vip, 1200.0, now_s) == 2200.0
+    assert block_expiry_s(normal, batch, math.inf, now_s) == math.inf
+    assert block_expiry_s(elevated, vip, 1200.0, now_s) == now_s + 300.0  # 600 s scaled, capped at 300 s
+    assert block_expiry_s(elevated, standard, 200.0, now_s) == now_s + 100.0
+    assert block_expiry_s(elevated, batch, 1200.0, now_s) == now_s  # below the retained tiers: expires now
+    assert block_expiry_s(critical, vip, math.inf, now_s) == now_s + 60.0
+    assert block_expiry_s(critical, free, 1200.0, now_s) == now_s
+    assert [caches_new_request(normal, p) for p in (vip, standard, free, batch)] == [True] * 4
+    assert [caches_new_request(critical, p) for p in (vip, standard, free, batch)] == [True, True, True, False]
+    zero = RetentionSettings(ttl_scale=0.0)
+    assert block_expiry_s(zero, vip, math.inf, now_s) == now_s  # no nan from inf × 0
+
+
+def test_expired_blocks_under_pressure_go_first_in_the_ttl_policy() -> None:
+    """Pressure settings feed the TTL policy: a batch block released under critical pressure is the first victim."""
+    critical = retention_for_pressure("critical")
+    policy = make_policy("ttl")
+    policy.insert(1, meta(1, tier_priority=3, expires_at_s=block_expiry_s(critical, 3, 600.0, 0.0)), 0.0)
+    policy.insert(2, meta(2, tier_priority=0, expires_at_s=block_expiry_s(critical, 0, 600.0, 1.0)), 1.0)
+    assert drain(policy, 2.0) == [2, 1]

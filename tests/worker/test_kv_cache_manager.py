@@ -1,0 +1,185 @@
+"""KVCacheManager: exact block tables, prefix hits (never the whole prompt), tail-first release, cache metadata."""
+
+from __future__ import annotations
+
+import math
+
+from worker.kv_cache.manager import KVCacheManager
+from worker.sequence import Sequence, SequenceStatus
+
+BS = 4  # tokens per block in these tests
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_manager(num_blocks: int = 8, **kwargs) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BS, clock=kwargs.pop("clock", FakeClock()), **kwargs)
+
+
+def admit(kv: KVCacheManager, seq: Sequence) -> list[int] | None:
+    """Admit ``seq`` with its whole remaining prompt, as the scheduler does with an unlimited budget."""
+    hit_blocks, num_hit = kv.get_computed_blocks(seq)
+    if kv.allocate_slots(seq, seq.num_tokens - num_hit, hit_blocks) is None:
+        return None
+    seq.num_computed_tokens = num_hit
+    seq.num_cached_tokens = num_hit
+    seq.status = SequenceStatus.RUNNING
+    return kv.get_block_ids(seq.request_id)
+
+
+def compute(kv: KVCacheManager, seq: Sequence) -> None:
+    """Pretend the model computed every scheduled token (all but the next sampled one)."""
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_blocks(seq)
+
+
+def check_accounting(kv: KVCacheManager) -> None:
+    assert kv.num_used_blocks + kv.num_free_blocks == kv.num_total_blocks
+    assert math.isclose(kv.usage, kv.num_used_blocks / kv.num_total_blocks)
+
+
+def test_allocate_slots_exact_block_ids_and_growth_at_block_boundary():
+    kv = make_manager(8)
+    seq = Sequence("a", list(range(6)))
+    assert admit(kv, seq) == [0, 1]
+    compute(kv, seq)
+    seq.output_token_ids.append(50)  # 7 tokens: decode token 6 fits block 1
+    assert kv.allocate_slots(seq, 1) == []
+    seq.num_computed_tokens = 7
+    seq.output_token_ids.append(51)  # token 7 still fits block 1
+    assert kv.allocate_slots(seq, 1) == []
+    seq.num_computed_tokens = 8
+    seq.output_token_ids.append(52)  # token 8 opens block 2
+    assert kv.allocate_slots(seq, 1) == [2]
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert (kv.num_used_blocks, kv.num_free_blocks) == (3, 5)
+    check_accounting(kv)
+
+
+def test_no_memory_returns_none_and_changes_nothing():
+    kv = make_manager(2)
+    seq = Sequence("a", list(range(12)))
+    assert admit(kv, seq) is None
+    assert kv.get_block_ids("a") == [] and kv.num_free_blocks == 2
+
+
+def test_second_request_hits_cached_prefix_and_never_the_whole_prompt():
+    kv = make_manager(8)
+    first = Sequence("a", list(range(8)))
+    admit(kv, first)
+    compute(kv, first)
+    kv.free(first)
+    assert kv.num_cached_blocks == 2
+    # the same prompt again: both blocks are cached, but the last token must be computed -> back off one block
+    again = Sequence("b", list(range(8)))
+    assert kv.get_computed_blocks(again) == ([0], 4)
+    longer = Sequence("c", list(range(8)) + [99])
+    assert kv.get_computed_blocks(longer) == ([0, 1], 8)
+
+
+def test_full_blocks_of_generated_tokens_are_cached():
+    kv = make_manager(8)
+    seq = Sequence("a", list(range(6)))
+    admit(kv, seq)
+    compute(kv, seq)
+    for token in (60, 61):  # tokens 6, 7 fill block 1
+        seq.output_token_ids.append(token)
+        kv.allocate_slots(seq, 1)
+        compute(kv, seq)
+    seq.output_token_ids.append(62)
+    kv.free(seq)
+    history = Sequence("b", list(range(6)) + [60, 61, 62, 1000])
+    assert kv.get_computed_blocks(history) == ([0, 1], 8)
+
+
+def test_free_is_tail_first_so_lru_evicts_the_tail_before_the_head():
+    kv = make_manager(5)
+    seq = Sequence("a", list(range(12)))
+    assert admit(kv, seq) == [0, 1, 2]
+    compute(kv, seq)
+    kv.free(seq)
+    assert (kv.num_cached_blocks, kv.num_used_blocks) == (3, 0)
+    other = Sequence("b", [7] * 16)
+    assert admit(kv, other) == [3, 4, 2, 1]  # free list, then victims tail first: 2, then 1
+    assert kv.num_cached_blocks == 1
+    assert kv.get_computed_blocks(Sequence("c", list(range(12)))) == ([0], 4)
+    check_accounting(kv)
+
+
+def test_hit_blocks_that_are_evictable_count_against_free_capacity():
+    kv = make_manager(4)
+    first = Sequence("a", list(range(8)))
+    admit(kv, first)
+    compute(kv, first)
+    kv.free(first)  # blocks 0, 1 cached + evictable; 2, 3 free
+    too_big = Sequence("b", list(range(8)) + list(range(100, 110)))  # 2 hits + 3 new blocks > 4
+    assert admit(kv, too_big) is None
+    assert kv.num_cached_blocks == 2 and kv.pool.ref_count(0) == 0
+    fits = Sequence("c", list(range(8)) + list(range(100, 106)))  # 2 hits + 2 new blocks
+    assert admit(kv, fits) == [0, 1, 2, 3]
+    assert fits.num_cached_tokens == 8
+    check_accounting(kv)
+
+
+def test_shared_prefix_shares_blocks_but_not_continuations():
+    kv = make_manager(16)
+    prefix = list(range(100, 108))  # two full blocks
+    a = Sequence("a", prefix + [1, 2, 3, 4, 5])
+    admit(kv, a)
+    compute(kv, a)
+    b = Sequence("b", prefix + [1, 2, 9, 9, 9])  # same prefix, continuation diverges inside block 2
+    table_b = admit(kv, b)
+    table_a = kv.get_block_ids("a")
+    assert table_b[:2] == table_a[:2]
+    assert set(table_b[2:]).isdisjoint(table_a)
+    assert kv.pool.ref_count(table_a[0]) == 2 and kv.pool.ref_count(table_a[2]) == 1
+    assert b.num_cached_tokens == 8
+    check_accounting(kv)
+
+
+def test_free_stamps_metadata_tier_ttl_and_chain_tail():
+    clock = FakeClock()
+    kv = make_manager(8, clock=clock)
+    seq = Sequence("a", list(range(10)), tier="free", tier_priority=-1, cache_ttl_s=30.0)
+    table = admit(kv, seq)
+    compute(kv, seq)
+    clock.now_s = 200.0
+    kv.free(seq)
+    metas = [kv.pool.meta(b) for b in table]
+    assert metas[2] is None  # partial block: never cached
+    assert [m.block_idx for m in metas[:2]] == [0, 1]
+    assert [m.is_chain_tail for m in metas[:2]] == [False, True]
+    assert all(m.tier == "free" and m.tier_priority == -1 and m.expires_at_s == 230.0 for m in metas[:2])
+    assert all(m.last_access_s == 200.0 for m in metas[:2])
+
+
+def test_prefix_caching_disabled_caches_nothing():
+    kv = make_manager(8, enable_prefix_caching=False)
+    seq = Sequence("a", list(range(8)))
+    admit(kv, seq)
+    compute(kv, seq)
+    kv.free(seq)
+    assert kv.num_cached_blocks == 0 and kv.num_free_blocks == 8
+    assert kv.get_computed_blocks(Sequence("b", list(range(9)))) == ([], 0)
+
+
+def test_prefix_counters_count_first_admissions_in_tokens():
+    kv = make_manager(8)
+    a = Sequence("a", list(range(8)))
+    admit(kv, a)
+    compute(kv, a)
+    kv.free(a)
+    b = Sequence("b", list(range(10)))
+    admit(kv, b)
+    assert (kv.prefix_queries_tokens, kv.prefix_hits_tokens) == (18, 8)
+    assert math.isclose(kv.prefix_hit_rate, 8 / 18)
+    kv.free(b)
+    kv.free(b)  # idempotent
+    check_accounting(kv)
+    assert kv.num_used_blocks == 0

@@ -1,0 +1,114 @@
+"""Pick the next token of each sampling sequence: greedy, temperature, top-k, top-p; reproducible per position.
+
+Randomness is counter-based: the uniform draw of a request at output position ``i`` is
+``SplitMix64(seed, i)`` (Steele et al., "Fast splittable pseudorandom number generators", OOPSLA 2014), so the
+token depends only on (logits, params, seed, i). A request preempted and recomputed samples the same tokens, and
+the draw does not depend on which other requests share the batch or on the device.
+
+Sampling is inverse-CDF over the filtered distribution, sorted by descending probability::
+
+    logits / T -> sort desc -> drop ranks >= top_k -> softmax -> drop tokens after cumulative mass top_p
+              -> renormalise -> first rank whose cumulative mass exceeds u * total
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.protocol import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """Return the SplitMix64 finaliser of ``x`` (64-bit)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform_for(seed: int, output_pos: int) -> float:
+    """Return the uniform draw in ``[0, 1)`` of request ``seed`` at output position ``output_pos`` (53-bit)."""
+    x = _splitmix64((seed & _MASK64) ^ _splitmix64(output_pos & _MASK64))
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+class Sampler:
+    """Choose one token per row of logits, greedy rows vectorised, sampled rows vectorised."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_lens: list[int],
+    ) -> list[int]:
+        """Sample the next token of each row.
+
+        Args:
+            logits: ``[num_seqs, vocab_size]`` float32, any device.
+            params: sampling settings per row (``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p >= 1``
+                are off).
+            seeds: the request's seed per row (any int; taken modulo 2**64).
+            output_lens: tokens the request has produced so far, i.e. the output position being sampled.
+
+        Returns:
+            One token id per row.
+
+        Raises:
+            ValueError: lists whose lengths differ from the number of rows, or a negative temperature.
+        """
+        num_rows = logits.shape[0]
+        if not (len(params) == len(seeds) == len(output_lens) == num_rows):
+            raise ValueError(
+                f"{num_rows} logit rows but {len(params)} params, {len(seeds)} seeds, {len(output_lens)} lengths"
+            )
+        tokens = [0] * num_rows
+        greedy_rows = [r for r, p in enumerate(params) if p.temperature == 0]
+        random_rows = [r for r, p in enumerate(params) if p.temperature != 0]
+        if greedy_rows:
+            rows = logits if len(greedy_rows) == num_rows else logits[greedy_rows]
+            for r, token in zip(greedy_rows, rows.argmax(dim=-1).tolist()):
+                tokens[r] = token
+        if random_rows:
+            picked = self._sample_random(
+                logits[random_rows],
+                [params[r] for r in random_rows],
+                [uniform_for(seeds[r], output_lens[r]) for r in random_rows],
+            )
+            for r, token in zip(random_rows, picked):
+                tokens[r] = token
+        return tokens
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> list[int]:
+        """Sample rows ``logits [n, vocab] f32`` with their temperature/top-k/top-p and draws ``u in [0, 1)``."""
+        if any(p.temperature < 0 for p in params):
+            raise ValueError("temperature must be >= 0")
+        device = logits.device
+        vocab_size = logits.shape[1]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        scaled = logits.float() / temperature[:, None]
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        if min(top_k) < vocab_size:
+            ranks = torch.arange(vocab_size, device=device)
+            keep_k = ranks[None, :] < torch.tensor(top_k, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(~keep_k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # The most likely token is always kept (its mass_before is 0), also for top_p <= 0.
+            drop = mass_before >= top_p[:, None]
+            drop[:, 0] = False
+            probs = probs.masked_fill(drop, 0.0)
+        cumulative = probs.cumsum(dim=-1)
+        target = torch.tensor(uniforms, dtype=torch.float32, device=device) * cumulative[:, -1]
+        rank = torch.searchsorted(cumulative, target[:, None], right=True).clamp_(max=vocab_size - 1)
+        # Kept ranks are a prefix (top-k, top-p and softmax underflow all drop a tail); float rounding can land
+        # past it, so clamp to the last kept rank.
+        last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+        rank = torch.minimum(rank, last_kept)
+        return sorted_ids.gather(1, rank).squeeze(1).tolist()

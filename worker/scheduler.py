@@ -1,0 +1,341 @@
+"""Continuous batching: which sequences run in the next step, how many tokens each, and who is preempted.
+
+One step spends a budget of ``max_num_batched_tokens`` (vLLM v1 scheduler, Sarathi-Serve chunked prefill)::
+
+    1. decode   one token for every running sequence whose prefill is done   (never starved by a long prompt: BC29)
+    2. prefill  the next chunk of every running sequence still in prefill
+    3. admit    waiting sequences, by tier priority (desc) then arrival, while max_num_seqs, blocks and budget allow
+
+Running sequences are visited highest tier first, oldest first. When one cannot get a block, the scheduler
+preempts by recompute: the victim is the running sequence of the lowest tier, newest first; its blocks go back to
+the pool (full ones stay in the prefix cache, so the resume usually hits), ``num_computed_tokens`` resets to 0
+and it waits again at its original (tier, arrival) place: the front of its tier. On resume it recomputes prompt +
+outputs so far; the sampler depends only on (seed, output position), so the answer continues identically. No
+sequence is admitted in a step that preempted (vLLM v1).
+
+``schedule()`` does not advance ``num_computed_tokens``: the model runner reads it as the start of each chunk;
+:meth:`Scheduler.update_from_output` advances it and caches the blocks that became full.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from worker.kv_cache.manager import KVCacheManager
+from worker.sequence import Sequence, SequenceStatus
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        seq: the sequence; its tokens ``[seq.num_computed_tokens, + num_new_tokens)`` are computed this step.
+        num_new_tokens: tokens computed this step (1 for decode, a chunk for prefill).
+        block_ids: the sequence's whole block table after this step's allocation, ``[num_blocks_of_seq]``.
+        sample: the chunk reaches the last known token, so the step samples the next one.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """The decision for one step: scheduled chunks in batch order, and who was preempted to make room."""
+
+    scheduled: list[ScheduledSeq]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+@dataclass
+class SeqEvent:
+    """What happened to one sequence in a step.
+
+    Attributes:
+        request_id: the sequence.
+        new_token_ids: tokens sampled this step (0 or 1).
+        finish_reason: None while running; ``"stop"``, ``"length"``, or ``"abort"`` (with ``error``).
+        prompt_tokens, cached_tokens, completion_tokens: usage so far, in tokens; ``cached_tokens`` is the
+            prompt tokens served by the prefix cache at the first admission.
+        error: set when the worker refuses the request (the prompt can never fit the context or the KV pool);
+            then ``finish_reason == "abort"`` and nothing was generated. Appended to PLAN.md's fields.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for capacity reports. Blocks: free = free list + evictable, so free + used == total."""
+
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+
+
+@dataclass
+class _Step:
+    """Mutable state of one ``schedule()`` call."""
+
+    budget_tokens: int
+    scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """Continuous-batching scheduler over one :class:`KVCacheManager`.
+
+    Args:
+        kv_manager: the KV pool facade.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunk tokens).
+        max_model_len_tokens: context length; a sequence ends with ``"length"`` when it reaches it.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len_tokens: int) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len_tokens", max_model_len_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len_tokens = max_model_len_tokens
+        self.waiting: list[Sequence] = []  # sorted by _queue_key
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self._requests: dict[str, Sequence] = {}
+        self._arrival_idx: dict[str, int] = {}
+        self._num_added = 0
+        self._pending_events: list[SeqEvent] = []  # refusals and pool-limit finishes, returned by the next update
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; a prompt that can never run is refused with an error event at the next update.
+
+        Raises:
+            ValueError: ``seq.request_id`` is already queued or running (a caller bug).
+        """
+        if seq.request_id in self._requests:
+            raise ValueError(f"request {seq.request_id!r} is already scheduled")
+        error = self._refusal(seq)
+        if error is not None or seq.max_tokens < 1:
+            seq.status = SequenceStatus.FINISHED
+            reason = FINISH_ABORT if error is not None else FINISH_LENGTH
+            self._pending_events.append(self._event(seq, [], reason, error))
+            return
+        seq.status = SequenceStatus.WAITING
+        self._requests[seq.request_id] = seq
+        self._arrival_idx[seq.request_id] = self._num_added
+        self._num_added += 1
+        bisect.insort(self.waiting, seq, key=self._queue_key)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting, mid-prefill, decoding) and free its blocks now.
+
+        Returns:
+            True if the request was known. No event is emitted for it.
+        """
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        self._release(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether a step has anything to do (sequences, or events still to report)."""
+        return bool(self.running or self.waiting or self._pending_events)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_free_blocks=self.kv.num_free_blocks,
+            num_used_blocks=self.kv.num_used_blocks,
+            num_cached_blocks=self.kv.num_cached_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_queries_tokens=self.kv.prefix_queries_tokens,
+            prefix_hits_tokens=self.kv.prefix_hits_tokens,
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks within the token budget (see the module docstring)."""
+        step = _Step(budget_tokens=self.max_num_batched_tokens)
+        order = sorted(self.running, key=self._queue_key)
+        self._schedule_running(step, order, decode=True)
+        self._schedule_running(step, order, decode=False)
+        if not step.preempted:
+            self._admit_waiting(step)
+        return SchedulerOutput(list(step.scheduled.values()), step.preempted)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SeqEvent]:
+        """Advance the scheduled sequences by the step's results.
+
+        Args:
+            out: what :meth:`schedule` returned for the step just run.
+            sampled: ``{request_id: token id}`` for every scheduled sequence with ``sample`` set.
+
+        Returns:
+            One event per sampled token (with its finish reason) plus any refusals since the last call.
+
+        Raises:
+            ValueError: a sequence that had to sample has no token in ``sampled``.
+        """
+        live = [item for item in out.scheduled if self._requests.get(item.seq.request_id) is item.seq]
+        missing = [item.seq.request_id for item in live if item.sample and item.seq.request_id not in sampled]
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
+        events, self._pending_events = self._pending_events, []
+        for item in live:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(seq)
+            if item.sample:
+                events.append(self._append_token(seq, sampled[seq.request_id]))
+        return events
+
+    # ------------------------------------------------------------------ scheduling internals
+
+    def _schedule_running(self, step: _Step, order: list[Sequence], decode: bool) -> None:
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
+                continue
+            num_remaining = seq.num_tokens - seq.num_computed_tokens
+            if (num_remaining == 1) != decode:
+                continue
+            num_new = min(num_remaining, step.budget_tokens)
+            if num_new == 0:
+                return
+            if self._allocate_or_preempt(step, seq, num_new):
+                self._add_scheduled(step, seq, num_new, num_remaining)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs and step.budget_tokens > 0:
+            seq = self.waiting[0]
+            computed_blocks, num_computed = self.kv.get_computed_blocks(seq)
+            num_remaining = seq.num_tokens - num_computed
+            num_new = min(num_remaining, step.budget_tokens)
+            if self.kv.allocate_slots(seq, num_new, computed_blocks) is None:
+                return
+            self.waiting.pop(0)
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_scheduled(step, seq, num_new, num_remaining)
+
+    def _allocate_or_preempt(self, step: _Step, seq: Sequence, num_new: int) -> bool:
+        """Get blocks for ``num_new`` more tokens of a running ``seq``, preempting victims until they fit.
+
+        Returns:
+            False when ``seq`` itself was preempted, or finished because it outgrew the whole pool.
+        """
+        while self.kv.allocate_slots(seq, num_new) is None:
+            if self.kv.num_blocks_for(seq.num_computed_tokens + num_new) > self.kv.num_total_blocks:
+                self._release(seq)  # the KV pool caps the answer, as max_model_len would
+                self._pending_events.append(self._event(seq, [], FINISH_LENGTH))
+                return False
+            victim = max(self.running, key=self._queue_key)
+            self._preempt(step, victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, step: _Step, victim: Sequence) -> None:
+        self.running.remove(victim)
+        item = step.scheduled.pop(victim.request_id, None)
+        if item is not None:
+            step.budget_tokens += item.num_new_tokens
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.PREEMPTED
+        bisect.insort(self.waiting, victim, key=self._queue_key)
+        step.preempted.append(victim.request_id)
+        self.num_preemptions += 1
+
+    def _add_scheduled(self, step: _Step, seq: Sequence, num_new: int, num_remaining: int) -> None:
+        block_ids = self.kv.get_block_ids(seq.request_id)
+        step.scheduled[seq.request_id] = ScheduledSeq(seq, num_new, block_ids, sample=num_new == num_remaining)
+        step.budget_tokens -= num_new
+
+    def _queue_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Sort key: highest tier first, then oldest; ``max`` of it is the preemption victim."""
+        return -seq.tier_priority, seq.arrival_s, self._arrival_idx.get(seq.request_id, 0)
+
+    # ------------------------------------------------------------------ finishing
+
+    def _append_token(self, seq: Sequence, token_id: int) -> SeqEvent:
+        seq.output_token_ids.append(token_id)
+        reason = self._finish_reason(seq, token_id)
+        if reason is not None:
+            self._release(seq)
+        return self._event(seq, [token_id], reason)
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.ignore_eos and token_id in seq.stop_token_ids:
+            return FINISH_STOP
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len_tokens:
+            return FINISH_LENGTH
+        return None
+
+    def _refusal(self, seq: Sequence) -> str | None:
+        num_prompt = seq.num_prompt_tokens
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt >= self.max_model_len_tokens:
+            return (f"the prompt has {num_prompt} tokens; the model's context is {self.max_model_len_tokens} "
+                    "tokens, which leaves no room for an answer")
+        num_blocks = self.kv.num_blocks_for(num_prompt)
+        if num_blocks > self.kv.num_total_blocks:
+            return (f"the prompt needs {num_blocks} KV blocks of {self.kv.block_size} tokens; this worker's pool "
+                    f"holds {self.kv.num_total_blocks}")
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of every queue and free its blocks (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq)
+        self._requests.pop(seq.request_id, None)
+        self._arrival_idx.pop(seq.request_id, None)
+
+    def _event(self, seq: Sequence, new_token_ids: list[int], reason: str | None,
+               error: str | None = None) -> SeqEvent:
+        return SeqEvent(seq.request_id, new_token_ids, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                        seq.num_output_tokens, error)

@@ -9,12 +9,13 @@ The prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and TGI's `
 
 Decoding with a few tokens of context keeps tokenizers that attach spaces or merge bytes across tokens exact. While
 the decoded text ends with U+FFFD (an incomplete multi-byte character), the text up to the last whole character is
-released and the tokens after it are held back. At the end of the generation whatever is still held back is flushed;
-genuinely invalid bytes then become U+FFFD, never a crash.
+released and the tokens after it are held back. At the end of the generation whatever is still held back is flushed:
+a character cut short by the end is dropped, genuinely invalid bytes become U+FFFD; never a crash.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -25,6 +26,8 @@ MAX_HELD_TOKENS = 8
 
 class Decoder(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_ids: list[int]) -> bytes: ...
 
 
 class IncrementalDetokenizer:
@@ -46,8 +49,22 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """Return whatever is still held back; call once when the generation ends."""
-        return self._advance(final=True)
+        """Return whatever is still held back; call once when the generation ends.
+
+        A last character cut short by the end of the generation (a valid but incomplete UTF-8 prefix, e.g. when
+        ``max_tokens`` ends the answer inside an emoji) is dropped; bytes that are invalid become U+FFFD.
+        """
+        text = self._advance(final=False)
+        if self._read_offset >= len(self.token_ids):
+            return text
+        tail_ids = self.token_ids[self._read_offset:]
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        try:
+            tail_text = decoder.decode(self._decoder.token_bytes(tail_ids), final=False)
+        except UnicodeDecodeError:
+            return text + self._advance(final=True)
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return text + tail_text
 
     def _advance(self, final: bool) -> str:
         if self._read_offset >= len(self.token_ids):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
+import re
 from typing import Any
 
 from shared.errors import ErrorCode, SluiceError
@@ -38,6 +40,24 @@ def _generation_eos_ids(model_path: str) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+_BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@functools.cache
+def _byte_level_char_to_byte() -> dict[str, int]:
+    """Invert GPT-2's ``bytes_to_unicode`` table (byte-level BPE spells every byte as one printable char)."""
+    byte_values = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    char_codes = byte_values[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in byte_values:
+            byte_values.append(byte)
+            char_codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(byte_values, char_codes)}
+
+
 class Tokenizer:
     """The served model's tokenizer with async, thread-pooled encoding.
 
@@ -57,6 +77,7 @@ class Tokenizer:
         eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
         self.eos_token_ids = sorted(set(eos) | set(generation_eos_ids or []))
         self.vocab_size = len(hf_tokenizer)
+        self._special_ids = frozenset(hf_tokenizer.all_special_ids)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads),
                                                                thread_name_prefix="tokenizer")
 
@@ -89,6 +110,30 @@ class Tokenizer:
     def encode_text_sync(self, text: str) -> list[int]:
         """Encode plain text without adding special tokens."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_ids: list[int]) -> bytes:
+        """Return the raw bytes that ``token_ids`` spell (special tokens contribute nothing).
+
+        Byte-level BPE (GPT-2, Llama 3, SmolLM) maps each char back to its byte; SentencePiece byte-fallback tokens
+        ``<0xHH>`` are one byte; other pieces are their UTF-8 text with ``▁`` as a space.
+        """
+        byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        table = _byte_level_char_to_byte()
+        out = bytearray()
+        for token_id in token_ids:
+            if token_id in self._special_ids:
+                continue
+            piece = self.backend.id_to_token(token_id) or ""
+            if byte_level:
+                for ch in piece:
+                    if ch in table:
+                        out.append(table[ch])
+                    else:
+                        out.extend(ch.encode())
+                continue
+            match = _BYTE_FALLBACK_RE.match(piece)
+            out.extend(bytes([int(match.group(1), 16)]) if match else piece.replace("\u2581", " ").encode())
+        return bytes(out)
 
     def decode(self, token_ids: list[int]) -> str:
         """Decode token ids to text, skipping special tokens (EOS and chat markers)."""

@@ -344,8 +344,8 @@ class WorkerPool:
                 "ready": c.ready,
                 "in_flight": c.num_in_flight,
                 "connections": c.num_connections,
-                "hello": msgspec.to_builtins(c.hello) if c.hello else None,
-                "capacity": msgspec.to_builtins(c.capacity) if c.capacity else None,
+                "hello": msgspec.structs.asdict(c.hello) if c.hello else None,
+                "capacity": msgspec.structs.asdict(c.capacity) if c.capacity else None,
                 "capacity_age_s": round(now_s - c.capacity_at_s, 3) if c.capacity else None,
             }
             for c in self.clients

@@ -73,8 +73,12 @@ class Engine:
         self._prefill_rate = _RateWindow()
         self._prompt_tokens_window = collections.deque()  # (now_s, prompt_tokens, cached_tokens)
 
-    def add(self, request_id: str, msg: Generate, tier_priority: int = 0) -> None:
-        """Queue a request under ``request_id`` (unique in this worker)."""
+    def add(self, request_id: str, msg: Generate, tier_priority: int = 0, received_s: float | None = None) -> None:
+        """Queue a request under ``request_id`` (unique in this worker).
+
+        ``received_s`` is the ``time.monotonic()`` at which the worker read the ``Generate`` frame; the worker's
+        time to first token counts from there (default: now).
+        """
         stop_token_ids = set(msg.stop_token_ids)
         if not msg.ignore_eos:
             stop_token_ids.update(self.default_stop_token_ids)
@@ -91,7 +95,7 @@ class Engine:
             tier_priority=tier_priority,
             cache_ttl_s=msg.cache_ttl_s,
         )
-        self._arrival_s[request_id] = time.monotonic()
+        self._arrival_s[request_id] = time.monotonic() if received_s is None else received_s
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:

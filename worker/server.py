@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,7 +95,7 @@ class WorkerServer:
         self.draining = False
         self._connections: dict[int, _Connection] = {}
         self._owner: dict[str, _Connection] = {}
-        self._pending_adds: list[tuple[str, Generate]] = []
+        self._pending_adds: list[tuple[str, Generate, float]] = []
         self._pending_aborts: list[str] = []
         self._wake = asyncio.Event()
         self._conn_ids = itertools.count(1)
@@ -196,7 +197,7 @@ class WorkerServer:
             return
         conn.request_ids.add(internal_id)
         self._owner[internal_id] = conn
-        self._pending_adds.append((internal_id, msg))
+        self._pending_adds.append((internal_id, msg, time.monotonic()))
         self._wake.set()
 
     def _validate(self, msg: Generate, duplicate: bool) -> tuple[ErrorCode, str] | None:
@@ -224,9 +225,9 @@ class WorkerServer:
             self.engine.abort(internal_id)
             self._forget(internal_id)
         adds, self._pending_adds = self._pending_adds, []
-        for internal_id, msg in adds:
+        for internal_id, msg, received_s in adds:
             if internal_id in self._owner:  # not aborted meanwhile
-                self.engine.add(internal_id, msg, self.tier_priority_fn(msg.tier))
+                self.engine.add(internal_id, msg, self.tier_priority_fn(msg.tier), received_s)
 
     def _forget(self, internal_id: str) -> None:
         conn = self._owner.pop(internal_id, None)

@@ -11,9 +11,10 @@ import json
 import socket
 import struct
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 
-import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -45,10 +46,36 @@ def _chat(messages_text: str, **kwargs) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": messages_text}], **kwargs}
 
 
+class HTTPResponse:
+    """A whole HTTP response read with urllib (no extra client dependency)."""
+
+    def __init__(self, status_code: int, headers, content: bytes) -> None:
+        self.status_code = status_code
+        self.headers = {k.lower(): v for k, v in headers.items()}
+        self.content = content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def _request(url: str, data: bytes | None = None, timeout_s: float = 600) -> HTTPResponse:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                     method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return HTTPResponse(response.status, response.headers, response.read())
+    except urllib.error.HTTPError as exc:
+        return HTTPResponse(exc.code, exc.headers, exc.read())
+
+
 class SSE:
     """A raw SSE response: status, headers, the data payloads in order."""
 
-    def __init__(self, status: int, headers: httpx.Headers, body: bytes) -> None:
+    def __init__(self, status: int, headers: dict, body: bytes) -> None:
         self.status = status
         self.headers = headers
         self.body = body
@@ -76,8 +103,8 @@ class SSE:
         return [chunk for chunk in self.chunks if chunk.get("usage")]
 
 
-def _post(server, path: str, body: dict, timeout_s: float = 600) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=timeout_s)
+def _post(server, path: str, body: dict, timeout_s: float = 600) -> HTTPResponse:
+    return _request(server.base_url + path, json.dumps(body).encode(), timeout_s)
 
 
 def _post_sse(server, path: str, body: dict) -> SSE:
@@ -188,7 +215,7 @@ def test_bc07_one_usage_chunk_only_when_asked(server):
         lambda: _post_sse(server, "/v1/chat/completions", body))
     d = _post(server, "/v1/chat/completions", {**body, "stream": False}).json()
     usage_chunks = a.usage_chunks()
-    assert len(usage_chunks) == 1 and usage_chunks[0] is a.chunks[-1] and usage_chunks[0]["choices"] == []
+    assert len(usage_chunks) == 1 and usage_chunks[0] == a.chunks[-1] and usage_chunks[0]["choices"] == []
     assert all("usage" not in chunk or chunk["usage"] is None for chunk in a.chunks[:-1])
     usage = usage_chunks[0]["usage"]
     assert usage["prompt_tokens"] == d["usage"]["prompt_tokens"]
@@ -333,7 +360,7 @@ def test_bc12_high_temperature_japanese_never_crashes(server):
 
     texts = _parallel(*[lambda i=i: one(i) for i in range(8)])
     assert len(texts) == 8
-    assert httpx.get(server.base_url + "/healthz").status_code == 200
+    assert _request(server.base_url + "/healthz").status_code == 200
     assert _post(server, "/v1/chat/completions", _chat("Say hi.", max_tokens=4)).status_code == 200
     assert server.status()["local_workers"][0]["starts"] == starts_before
 
@@ -382,8 +409,7 @@ def test_bc31_temperature_0_and_seeded_outputs_repeat(server):
 @pytest.mark.parametrize("raw", [b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], x}',
                                  b'"just a string"', b"[]", b"null", b"", b'{"model": "m"'])
 def test_bc22_invalid_json_is_400_json(server, raw):
-    response = httpx.post(server.base_url + "/v1/chat/completions", content=raw,
-                          headers={"Content-Type": "application/json"})
+    response = _request(server.base_url + "/v1/chat/completions", raw)
     assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
     assert response.json()["error"]["type"] == "invalid_request_error" and response.json()["error"]["message"]
 
@@ -422,8 +448,7 @@ _junk = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
 }).map(json.dumps).map(str.encode) | st.binary(max_size=40),
     path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
 def test_malformed_bodies_never_5xx_against_real_server(server, body, path):
-    response = httpx.post(server.base_url + path, content=body, timeout=600,
-                          headers={"Content-Type": "application/json"})
+    response = _request(server.base_url + path, body)
     assert response.status_code < 500, response.text
 
 
@@ -503,7 +528,7 @@ def test_bc05_reset_stream_releases_the_request_and_the_gateway_serves_on(server
 
 
 def test_metrics_after_traffic(server):
-    text = httpx.get(server.base_url + "/metrics").text
+    text = _request(server.base_url + "/metrics").text
     for name in ("sluice_requests_total", "sluice_ttft_seconds_count", "sluice_inter_token_latency_seconds_count",
                  "sluice_e2e_latency_seconds_count", "sluice_prompt_tokens_total", "sluice_completion_tokens_total",
                  "sluice_worker_kv_usage", "sluice_worker_kv_blocks_used", "sluice_gateway_overhead_seconds_count",

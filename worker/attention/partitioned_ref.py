@@ -36,6 +36,10 @@ HEADS_PER_CTA_CHOICES = (1, 2, 4, 8)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32)
 LOG2E = 1.4426950408889634
+CTA_OVERHEAD_BLOCKS = 4
+"""Fixed cost of one decode CTA (q load, warp merge, writes; a split's reduce), in KV blocks of work."""
+SPLIT_MIN_GAIN = 0.05
+"""A split must be this much cheaper than the single pass (by the cost model) to be taken."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,9 @@ def plan_partitions(
     Without a split there are ``num_base_ctas`` CTAs (sequences × KV heads × head chunks). Splitting each context
     into ``p`` partitions multiplies the CTAs by ``p`` and divides each CTA's tokens by ``p``; it pays when the
     base grid leaves multiprocessors idle (small batches, long contexts) and costs a reduce kernel and partial
-    outputs. The cost model: time ∝ waves(p) × blocks per partition + one block per partition of reduce work,
-    waves(p) = ceil(num_base_ctas × p / num_ctas_resident); the cheapest p wins, ties to the smaller p.
+    outputs. The cost model: time ∝ waves(p) × (blocks per partition + a fixed per-CTA cost of
+    ``CTA_OVERHEAD_BLOCKS``), waves(p) = ceil(num_base_ctas × p / num_ctas_resident); the cheapest p wins, and a
+    split must beat the single pass by ``SPLIT_MIN_GAIN`` (a large batch keeps the single pass).
 
     Args:
         max_context_len: longest context in the batch, tokens.
@@ -136,15 +141,18 @@ def plan_partitions(
     max_parts = min(MAX_PARTITIONS, blocks_total // min_blocks)
     if max_parts <= 1 or num_base_ctas <= 0 or num_ctas_resident <= 0:
         return single
-    best_cost, best = math.inf, single
-    for parts in range(1, max_parts + 1):
+    def cost(parts: int) -> tuple[float, PartitionPlan]:
         blocks_per_part = math.ceil(blocks_total / parts)
         parts_used = math.ceil(blocks_total / blocks_per_part)
         waves = math.ceil(num_base_ctas * parts_used / num_ctas_resident)
-        cost = waves * blocks_per_part + (parts_used if parts_used > 1 else 0)
-        if cost < best_cost:
-            best_cost = cost
-            best = PartitionPlan(parts_used, blocks_per_part * block_size)
+        return waves * (blocks_per_part + CTA_OVERHEAD_BLOCKS), PartitionPlan(parts_used, blocks_per_part * block_size)
+
+    single_cost, _ = cost(1)
+    best_cost, best = single_cost * (1.0 - SPLIT_MIN_GAIN), single
+    for parts in range(2, max_parts + 1):
+        split_cost, plan = cost(parts)
+        if split_cost < best_cost:
+            best_cost, best = split_cost, plan
     return best
 
 

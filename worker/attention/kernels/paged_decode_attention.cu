@@ -5,7 +5,7 @@
 // For sequence s, query head h (KV head kvh = h / G, G = num_heads / num_kv_heads) and context positions
 // t in [0, L_s):
 //     x_t  = (q[s,h] · K[s,kvh,t]) * scale                        (the score)
-//     out  = Σ_t softmax(x)_t V[s,kvh,t] = Σ_t e^(x_t - M) V_t / Σ_t e^(x_t - M),   M = max_t x_t
+//     out  = Σ_t softmax(x)_t V[s,kvh,t] = Σ_t e^(x_t - M) V_t / Σ_t e^(x_t - M),  M = max_t x_t
 // Scores are kept in the log2 domain: q is pre-multiplied by scale * log2(e), so e^(x - M) = 2^(y - m) with
 // y = x * log2(e), and the exponential is one ex2.approx instruction. All sums and products are fp32.
 //
@@ -417,7 +417,8 @@ __device__ __forceinline__ void paged_decode_reduce_body(
   const int lane = threadIdx.x % kWarpSize;
   const long long row = static_cast<long long>(seq) * num_heads + head;
   const int context_len = context_lens[seq];
-  const int used = context_len <= 0 ? 0 : const_min(num_partitions, (context_len + partition_tokens - 1) / partition_tokens);
+  const int used =
+      context_len <= 0 ? 0 : const_min(num_partitions, (context_len + partition_tokens - 1) / partition_tokens);
   const float* __restrict__ maxes = partial_max + row * num_partitions;
   const float* __restrict__ sums = partial_sum + row * num_partitions;
 
@@ -472,11 +473,11 @@ __device__ __forceinline__ void paged_decode_reduce_body(
       block_table_stride, partition_tokens
 
 #define SLUICE_DECODE_ENTRY(NAME, TRAITS, D, B, H)                                                           \
-  extern "C" __global__ void __launch_bounds__(sluice::kThreads, sluice::kMinCtasPerSm)                                             \
+  extern "C" __global__ void __launch_bounds__(sluice::kThreads, sluice::kMinCtasPerSm)                       \
       paged_decode_##NAME##_d##D##_b##B##_g##H(SLUICE_DECODE_PARAMS(sluice::TRAITS::storage)) {              \
     sluice::paged_decode_body<sluice::TRAITS, D, B, H, false>(SLUICE_DECODE_ARGS);                           \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(sluice::kThreads, sluice::kMinCtasPerSm)                                             \
+  extern "C" __global__ void __launch_bounds__(sluice::kThreads, sluice::kMinCtasPerSm)                       \
       paged_decode_split_##NAME##_d##D##_b##B##_g##H(SLUICE_DECODE_PARAMS(sluice::TRAITS::storage)) {        \
     sluice::paged_decode_body<sluice::TRAITS, D, B, H, true>(SLUICE_DECODE_ARGS);                            \
   }

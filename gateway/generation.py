@@ -133,12 +133,8 @@ class Generation:
         """
         try:
             for prompt_index, prompt_ids in enumerate(self.prompts):
-                block_size = 16
-                ready = self.pool.ready_clients()
-                if ready and ready[0].hello is not None:
-                    block_size = ready[0].hello.block_size_tokens
-                demand_blocks = self.n * -(-(len(prompt_ids) + self.max_tokens[prompt_index]) // block_size)
-                worker = self.pool.choose(demand_blocks)
+                demand_tokens = len(prompt_ids) + self.max_tokens[prompt_index]  # per choice
+                worker = self.pool.choose(self.n * demand_tokens)
                 for j in range(self.n):
                     index = prompt_index * self.n + j
                     choice = ChoiceState(index, prompt_index, f"{self.request_id}-{index}", len(prompt_ids))
@@ -157,7 +153,7 @@ class Generation:
                     )
                     choice.detokenizer = IncrementalDetokenizer(self.tokenizer)
                     choice.matcher = StopStringMatcher(self.stop_strings)
-                    choice.stream = worker.start_request(message, demand_blocks // self.n)
+                    choice.stream = worker.start_request(message, demand_tokens)
                     self.choices.append(choice)
         except BaseException:
             self.close()

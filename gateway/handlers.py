@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 from aiohttp import web
 
 from gateway import openai_api
@@ -143,8 +144,6 @@ async def _collect(request: web.Request, kind: str, generation: Generation) -> w
 
 
 def _dumps(payload) -> str:
-    import msgspec
-
     return msgspec.json.encode(payload).decode()
 
 

@@ -182,8 +182,18 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ requests
 
-    def start_request(self, message: Generate, demand_blocks: int = 0) -> RequestStream:
+    def demand_blocks(self, demand_tokens: int) -> int:
+        """Return the KV blocks ``demand_tokens`` tokens occupy on this worker."""
+        block_size = self.hello.block_size_tokens if self.hello is not None else 16
+        return -(-demand_tokens // block_size)
+
+    def start_request(self, message: Generate, demand_tokens: int = 0) -> RequestStream:
         """Register a stream for ``message.request_id`` and send the ``Generate`` frame.
+
+        Args:
+            message: the request.
+            demand_tokens: prompt + output budget in tokens, counted against the worker's free KV until its next
+                capacity report.
 
         Raises:
             SluiceError: ``no_worker_available`` when the connection is down.
@@ -192,7 +202,7 @@ class WorkerClient:
             raise SluiceError(ErrorCode.NO_WORKER, f"worker {self.name} is not connected", retry_after_s=1)
         stream = RequestStream(message.request_id, self)
         self._streams[message.request_id] = stream
-        self.pending_demand_blocks += demand_blocks
+        self.pending_demand_blocks += self.demand_blocks(demand_tokens)
         self._writer.write(self._codec.encode(message))
         return stream
 
@@ -310,8 +320,8 @@ class WorkerPool:
         lengths = [c.hello.max_model_len_tokens for c in self.ready_clients() if c.hello is not None]
         return min([configured_tokens, *lengths])
 
-    def choose(self, demand_blocks: int = 0) -> WorkerClient:
-        """Pick the worker for a request needing ``demand_blocks`` KV blocks.
+    def choose(self, demand_tokens: int = 0) -> WorkerClient:
+        """Pick the worker for a request needing ``demand_tokens`` tokens of KV (prompt + output budget).
 
         Raises:
             SluiceError: ``no_worker_available`` (503, Retry-After) when no worker is ready.
@@ -320,7 +330,7 @@ class WorkerPool:
         best_key: tuple[int, int] | None = None
         for client in self.ready_clients():
             free = client.capacity.free_kv_blocks if client.capacity else client.hello.num_kv_blocks
-            key = (free - client.pending_demand_blocks, -client.num_in_flight)
+            key = (free - client.pending_demand_blocks - client.demand_blocks(demand_tokens), -client.num_in_flight)
             if best_key is None or key > best_key:
                 best, best_key = client, key
         if best is None:

@@ -98,6 +98,86 @@ class WorkerConfig(_Section):
     enable_prefix_caching: bool = True
 
 
+class RetentionSettings(_Section):
+    """How long the prefix cache keeps blocks at one pressure level (DESIGN.md, KV cache; issue 4).
+
+    Attributes:
+        eviction_policy: policy name to switch to at this level; "" keeps the configured one.
+        ttl_scale: factor applied to every retention wish (request TTL bounded by its tier), 0–1.
+        max_ttl_s: ceiling on any block's retention in seconds at this level.
+        min_retained_tier_priority: blocks of tiers with a lower priority expire as soon as they are released
+            (retention only for the top tiers).
+        min_cached_tier_priority: new requests of tiers with a lower priority do not enter the prefix cache at all
+            (no-cache mode); their blocks go straight back to the free list.
+    """
+
+    eviction_policy: str = ""
+    ttl_scale: float = 1.0
+    max_ttl_s: float = float("inf")
+    min_retained_tier_priority: int = -(2**31)
+    min_cached_tier_priority: int = -(2**31)
+
+
+class RetentionConfig(_Section):
+    """Retention settings per pressure level; ``normal`` applies the tiers' own settings unchanged.
+
+    The defaults match the default tiers (vip 3, standard 2, free 1, batch 0).
+    """
+
+    normal: RetentionSettings = RetentionSettings()
+    elevated: RetentionSettings = RetentionSettings(ttl_scale=0.5, max_ttl_s=300.0, min_retained_tier_priority=1)
+    critical: RetentionSettings = RetentionSettings(eviction_policy="tier", ttl_scale=0.25, max_ttl_s=60.0,
+                                                    min_retained_tier_priority=2, min_cached_tier_priority=1)
+
+
+class KVConfig(_Section):
+    """KV cache lifetime inside a worker: eviction, retention, offload tiers, swap (``[kv]``; issue 4).
+
+    Offload tiers form a chain: a block evicted from the device pool is demoted to host RAM, a block evicted from
+    host RAM to local disk, one evicted from disk to Redis; a tier of size 0 is skipped. On a prefix miss on the
+    device, the chain is looked up and a block is reloaded when its transfer time (bytes ÷ measured bandwidth of
+    its tier) is below its recompute time (tokens ÷ measured prefill rate).
+
+    Attributes:
+        eviction_policy: device pool policy: ``lru``, ``lfu``, ``ttl``, ``tier`` or ``sluice``.
+        default_cache_ttl_s: retention of a request that names none (``Generate.cache_ttl_s == 0``); 0 = no expiry.
+        max_cache_ttl_s: ceiling on any request's retention in seconds.
+        max_cache_ttl_s_by_tier: tier name → ceiling on that tier's retention in seconds (tighter than the above).
+        host_cache_gib: host RAM tier size in GiB (pinned memory on CUDA); 0 = off.
+        disk_cache_gib: local disk tier size in GiB; 0 = off.
+        disk_cache_dir: folder for the disk tier ("" = the system temp folder); each worker uses its own subfolder.
+        redis_url: Redis tier, e.g. ``redis://127.0.0.1:6379/0``; "" = off. Shared by every worker on the model.
+        redis_cache_gib: most bytes this worker keeps in Redis at once.
+        redis_ttl_s: expiry of every Redis key in seconds (shorter when the block's own retention ends sooner).
+        redis_timeout_s: connect and socket timeout of Redis calls in seconds.
+        redis_retry_s: after a Redis failure, seconds before the tier is tried again (meanwhile: recompute).
+        swap_space_gib: host RAM for blocks of sequences preempted by swap; 0 = always recompute.
+        host_bandwidth_gb_s, disk_bandwidth_gb_s, redis_bandwidth_gb_s: initial transfer bandwidth estimates in
+            GB/s (10^9 bytes/s) until real transfers are measured.
+        prefill_tokens_per_s: initial prefill rate estimate until the engine has measured one.
+        retention: retention settings per pressure level (shorter TTLs, top tiers only, no-cache mode).
+    """
+
+    eviction_policy: str = "lru"
+    default_cache_ttl_s: float = 0.0
+    max_cache_ttl_s: float = 86400.0
+    max_cache_ttl_s_by_tier: dict[str, float] = {}
+    host_cache_gib: float = 1.0
+    disk_cache_gib: float = 4.0
+    disk_cache_dir: str = ""
+    redis_url: str = ""
+    redis_cache_gib: float = 1.0
+    redis_ttl_s: float = 3600.0
+    redis_timeout_s: float = 0.5
+    redis_retry_s: float = 30.0
+    swap_space_gib: float = 0.5
+    host_bandwidth_gb_s: float = 5.0
+    disk_bandwidth_gb_s: float = 1.0
+    redis_bandwidth_gb_s: float = 0.5
+    prefill_tokens_per_s: float = 2000.0
+    retention: RetentionConfig = RetentionConfig()
+
+
 class SimConfig(_Section):
     """The roofline simulator that stands in for a GPU in load tests (``worker.backend = "sim"``).
 
@@ -285,6 +365,7 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     gateway: GatewayConfig = GatewayConfig()
     worker: WorkerConfig = WorkerConfig()
+    kv: KVConfig = KVConfig()
     sim: SimConfig = SimConfig()
     tiers: list[TierConfig] = []
     default_tier: str = "standard"

@@ -12,6 +12,8 @@ _SUBCOMMANDS = {
     "serve": ("gateway.__main__", "main"),
     "worker": ("worker.__main__", "main"),
     "cachesim": ("worker.kv_cache.cachesim", "main"),
+    "replay": ("loadtest.replay", "main"),
+    "plan": ("sluice.plan", "main"),
 }
 
 

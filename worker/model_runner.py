@@ -69,6 +69,47 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
     )
 
 
+class KVBlockIO:
+    """Copy one KV block between the device pool and a flat byte buffer on the host (offload, reload, swap).
+
+    A block is the slice ``kv_cache[:, :, block_id]``: ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` of
+    every layer's K and V, strided in the pool. On the host it is ``[block_bytes] uint8`` (the same elements,
+    contiguous, in the pool's dtype, as bytes), so the tiers below never depend on the dtype or the model::
+
+        pool [L, 2, N, H, B, D] ──read_block(b)──▶ host [L·2·H·B·D · itemsize] uint8 ──write_block(b)──▶ pool
+
+    Args:
+        kv_cache: the pool ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``, CPU or CUDA.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.dim() != 6:
+            raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim], "
+                             f"got shape {tuple(kv_cache.shape)}")
+        num_layers, two, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        self.kv_cache = kv_cache
+        self.block_shape = (num_layers, two, num_kv_heads, block_size, head_dim)
+        self.block_bytes = num_layers * two * num_kv_heads * block_size * head_dim * kv_cache.element_size()
+        self.pin_memory = kv_cache.is_cuda
+        self._staging = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def read_block(self, block_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy pool block ``block_id`` into ``out`` (``[block_bytes] uint8``, CPU) and return it.
+
+        Without ``out`` the copy lands in one staging buffer, valid until the next call. Synchronous: the bytes
+        are on the host when it returns.
+        """
+        out = self._staging if out is None else out
+        out.view(self.kv_cache.dtype).view(self.block_shape).copy_(self.kv_cache[:, :, block_id])
+        return out
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Copy ``data`` (``[block_bytes] uint8``, CPU, from :meth:`read_block`) into pool block ``block_id``."""
+        if data.numel() != self.block_bytes:
+            raise ValueError(f"block data has {data.numel()} bytes, a block has {self.block_bytes}")
+        self.kv_cache[:, :, block_id].copy_(data.view(self.kv_cache.dtype).view(self.block_shape))
+
+
 class ModelRunner:
     """Run one scheduled step on a model and sample the next token of each sequence that samples.
 
@@ -85,6 +126,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.block_io = KVBlockIO(kv_cache)
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample."""

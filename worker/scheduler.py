@@ -7,11 +7,13 @@ One step spends a budget of ``max_num_batched_tokens`` (vLLM v1 scheduler, Sarat
     3. admit    waiting sequences, by tier priority (desc) then arrival, while max_num_seqs, blocks and budget allow
 
 Running sequences are visited highest tier first, oldest first. When one cannot get a block, the scheduler
-preempts by recompute: the victim is the running sequence of the lowest tier, newest first; its blocks go back to
-the pool (full ones stay in the prefix cache, so the resume usually hits), ``num_computed_tokens`` resets to 0
-and it waits again at its original (tier, arrival) place: the front of its tier. On resume it recomputes prompt +
-outputs so far; the sampler depends only on (seed, output position), so the answer continues identically. No
-sequence is admitted in a step that preempted (vLLM v1).
+preempts: the victim is the running sequence of the lowest tier, newest first. The KV manager picks the mode by
+measured cost (:meth:`KVCacheManager.preempt`): *swap* copies its computed blocks to host RAM, *recompute* drops
+them (full ones stay in the prefix cache, so the resume usually hits). Either way its blocks go back to the pool,
+``num_computed_tokens`` resets to 0 and it waits again at its original (tier, arrival) place: the front of its
+tier. On resume a swapped sequence gets its blocks back and continues where it stopped; a recomputed one
+recomputes prompt + outputs so far; the sampler depends only on (seed, output position), so the answer continues
+identically. No sequence is admitted in a step that preempted (vLLM v1).
 
 ``schedule()`` does not advance ``num_computed_tokens``: the model runner reads it as the start of each chunk;
 :meth:`Scheduler.update_from_output` advances it and caches the blocks that became full.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from worker.kv_cache.manager import KVCacheManager
+from worker.kv_cache.manager import PREEMPT_SWAP, KVCacheManager
 from worker.sequence import Sequence, SequenceStatus
 
 FINISH_STOP = "stop"
@@ -95,6 +97,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
+    num_preemptions_swap: int = 0
 
 
 @dataclass
@@ -132,6 +135,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _queue_key
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.num_preemptions_swap = 0
         self._requests: dict[str, Sequence] = {}
         self._arrival_idx: dict[str, int] = {}
         self._num_added = 0
@@ -186,6 +190,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_queries_tokens=self.kv.prefix_queries_tokens,
             prefix_hits_tokens=self.kv.prefix_hits_tokens,
+            num_preemptions_swap=self.num_preemptions_swap,
         )
 
     # ------------------------------------------------------------------ one step
@@ -244,11 +249,11 @@ class Scheduler:
     def _admit_waiting(self, step: _Step) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and step.budget_tokens > 0:
             seq = self.waiting[0]
-            computed_blocks, num_computed = self.kv.get_computed_blocks(seq)
+            num_computed = self.kv.admit(seq, step.budget_tokens)
+            if num_computed is None:
+                return
             num_remaining = seq.num_tokens - num_computed
             num_new = min(num_remaining, step.budget_tokens)
-            if self.kv.allocate_slots(seq, num_new, computed_blocks) is None:
-                return
             self.waiting.pop(0)
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_tokens = num_computed
@@ -279,7 +284,8 @@ class Scheduler:
         item = step.scheduled.pop(victim.request_id, None)
         if item is not None:
             step.budget_tokens += item.num_new_tokens
-        self.kv.free(victim)
+        if self.kv.preempt(victim) == PREEMPT_SWAP:
+            self.num_preemptions_swap += 1
         victim.num_computed_tokens = 0
         victim.status = SequenceStatus.PREEMPTED
         bisect.insort(self.waiting, victim, key=self._queue_key)

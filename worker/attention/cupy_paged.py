@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -235,30 +236,103 @@ def paged_decode_attention(
     import cupy
 
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    dtype_name = _DTYPE_NAMES[q.dtype]
-    kernel_key = (dtype_name, head_dim, block_size, geometry.heads_per_cta)
+    kernel_key = (_DTYPE_NAMES[q.dtype], head_dim, block_size, geometry.heads_per_cta)
     single_kernel, split_kernel, reduce_kernel = _kernels(*kernel_key, device_index)
-    num_head_chunks = -(-group // geometry.heads_per_cta)
-    num_base_ctas = num_seqs * num_kv_heads * num_head_chunks
     if partition_tokens is None:
+        num_base_ctas = num_seqs * num_kv_heads * -(-group // geometry.heads_per_cta)
         plan = plan_partitions(max_context_len, num_base_ctas, _resident_ctas(kernel_key, device_index), block_size)
     else:
-        if partition_tokens <= 0 or partition_tokens % block_size:
-            raise ValueError(f"partition_tokens {partition_tokens} is not a positive multiple of {block_size}")
-        plan = PartitionPlan(max(1, -(-max_context_len // partition_tokens)), partition_tokens)
-        if plan.num_partitions > MAX_PARTITIONS:
-            raise ValueError(f"{plan.num_partitions} partitions exceed the reduce kernel's {MAX_PARTITIONS}")
+        plan = forced_plan(max_context_len, block_size, partition_tokens)
+    partial_out, partial_stats = allocate_partials(q, plan)
+    launch = build_launch(q, k_cache, v_cache, block_tables, context_lens, scale, plan, out, partial_out, partial_stats)
+    with cupy.cuda.Device(device_index):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream, device_index)
+        with stream:
+            if launch.reduce_grid is None:
+                single_kernel(launch.grid, launch.block, launch.decode_args)
+            else:
+                split_kernel(launch.grid, launch.block, launch.decode_args)
+                reduce_kernel(launch.reduce_grid, launch.block, launch.reduce_args)
+    return out
 
-    if plan.num_partitions > 1:
-        partial_out = torch.empty(
-            (num_seqs, num_heads, plan.num_partitions, head_dim), dtype=torch.float32, device=q.device
-        )
-        partial_stats = torch.empty(
-            (2, num_seqs, num_heads, plan.num_partitions), dtype=torch.float32, device=q.device
-        )
-        partial_ptrs = (partial_out.data_ptr(), partial_stats[0].data_ptr(), partial_stats[1].data_ptr())
-    else:
-        partial_ptrs = (0, 0, 0)
+
+def forced_plan(max_context_len: int, block_size: int, partition_tokens: int) -> PartitionPlan:
+    """Return the plan for a forced partition size (tests, benchmarks).
+
+    Raises:
+        ValueError: not a positive multiple of block_size, or more partitions than the reduce kernel takes.
+    """
+    if partition_tokens <= 0 or partition_tokens % block_size:
+        raise ValueError(f"partition_tokens {partition_tokens} is not a positive multiple of {block_size}")
+    plan = PartitionPlan(max(1, -(-max_context_len // partition_tokens)), partition_tokens)
+    if plan.num_partitions > MAX_PARTITIONS:
+        raise ValueError(f"{plan.num_partitions} partitions exceed the reduce kernel's {MAX_PARTITIONS}")
+    return plan
+
+
+def allocate_partials(q: torch.Tensor, plan: PartitionPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Allocate the split path's workspace on q's device (None, None for the single pass).
+
+    Returns:
+        ``partial_out [num_seqs, num_heads, num_partitions, head_dim]`` fp32 and ``partial_stats [2, num_seqs,
+        num_heads, num_partitions]`` fp32 (running max in the log2 domain, then running sum).
+    """
+    if plan.num_partitions == 1:
+        return None, None
+    num_seqs, num_heads, head_dim = q.shape
+    partial_out = torch.empty((num_seqs, num_heads, plan.num_partitions, head_dim), dtype=torch.float32,
+                              device=q.device)
+    partial_stats = torch.empty((2, num_seqs, num_heads, plan.num_partitions), dtype=torch.float32, device=q.device)
+    return partial_out, partial_stats
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Grids and argument lists of one call, in the kernels' parameter order (numpy scalars, pointers as uint64).
+
+    ``reduce_grid`` is None on the single-pass path (``decode_args`` then go to ``paged_decode_*``, else to
+    ``paged_decode_split_*`` followed by ``paged_decode_reduce_*`` with ``reduce_args``).
+    """
+
+    grid: tuple[int, int, int]
+    block: tuple[int]
+    decode_args: tuple
+    reduce_grid: tuple[int, int] | None
+    reduce_args: tuple | None
+
+
+def build_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: PartitionPlan,
+    out: torch.Tensor,
+    partial_out: torch.Tensor | None,
+    partial_stats: torch.Tensor | None,
+) -> Launch:
+    """Lay out the grids and the raw arguments of the decode (and reduce) kernels; launches nothing.
+
+    Pure: any device (the CPU emulation test uses it with host tensors). Inputs must have passed the launcher's
+    checks; the grid is ``(num_kv_heads * head chunks, num_seqs, num_partitions)``.
+
+    Raises:
+        ValueError: k_cache and v_cache strides differ.
+    """
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    heads_per_cta = KernelGeometry.for_shape(head_dim, block_size, group).heads_per_cta
+    split = plan.num_partitions > 1
+    if split and (partial_out is None or partial_stats is None):
+        raise ValueError("a split plan needs partial_out and partial_stats (allocate_partials)")
+    partial_ptrs = (
+        (partial_out.data_ptr(), partial_stats[0].data_ptr(), partial_stats[1].data_ptr()) if split else (0, 0, 0)
+    )
     decode_args = (
         np.uint64(out.data_ptr()),
         *(np.uint64(p) for p in partial_ptrs),
@@ -277,29 +351,18 @@ def paged_decode_attention(
         np.int32(block_tables.stride(0)),
         np.int32(plan.partition_tokens),
     )
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
-    grid = (num_kv_heads * num_head_chunks, num_seqs, plan.num_partitions)
-    with cupy.cuda.Device(device_index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream, device_index)
-        with stream:
-            if plan.num_partitions == 1:
-                single_kernel(grid, (THREADS_PER_CTA,), decode_args)
-            else:
-                split_kernel(grid, (THREADS_PER_CTA,), decode_args)
-                reduce_kernel(
-                    (num_heads, num_seqs),
-                    (THREADS_PER_CTA,),
-                    (
-                        np.uint64(out.data_ptr()),
-                        *(np.uint64(p) for p in partial_ptrs),
-                        np.uint64(context_lens.data_ptr()),
-                        np.int32(num_heads),
-                        np.int32(plan.num_partitions),
-                        np.int32(plan.partition_tokens),
-                    ),
-                )
-    return out
+    grid = (num_kv_heads * -(-group // heads_per_cta), num_seqs, plan.num_partitions)
+    if not split:
+        return Launch(grid, (THREADS_PER_CTA,), decode_args, None, None)
+    reduce_args = (
+        np.uint64(out.data_ptr()),
+        *(np.uint64(p) for p in partial_ptrs),
+        np.uint64(context_lens.data_ptr()),
+        np.int32(num_heads),
+        np.int32(plan.num_partitions),
+        np.int32(plan.partition_tokens),
+    )
+    return Launch(grid, (THREADS_PER_CTA,), decode_args, (num_heads, num_seqs), reduce_args)
 
 
 class CupyAttentionBackend(TorchAttentionBackend):

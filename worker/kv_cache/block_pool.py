@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 from worker.kv_cache.eviction import BlockMeta, EvictionPolicy, make_policy
 
 EvictCallback = Callable[[int, int], None]
-"""Called as ``on_evict(block_id, block_hash)`` when a cached block is evicted (the prefix cache drops it)."""
+"""Called as ``on_evict(block_id, block_hash)`` when a cached block is evicted (the prefix cache drops it). During
+the call the block still has its :meth:`BlockPool.meta` and its K/V are still in the pool (offload reads them)."""
 
 
 class BlockPool:
@@ -139,6 +140,21 @@ class BlockPool:
             raise ValueError(f"block {block_id} must be referenced to be cached")
         self._metas[block_id] = meta
 
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Hand every evictable block over to ``policy`` (a pressure level switched the policy).
+
+        The blocks enter the new policy in the old one's eviction order, victims first. O(n log n), once per switch.
+        """
+        if policy is self.policy:
+            return
+        now_s = self.clock()
+        order: list[int] = []
+        while (block_id := self.policy.pop_victim(now_s)) is not None:
+            order.append(block_id)
+        self.policy = policy
+        for block_id in order:
+            policy.insert(block_id, self._metas[block_id], now_s)
+
     # ------------------------------------------------------------------ internals
 
     def _evict(self, now_s: float) -> int | None:
@@ -146,10 +162,10 @@ class BlockPool:
         if block_id is None:
             return None
         meta = self._metas[block_id]
-        self._metas[block_id] = None
         self.num_evictions += 1
         if self.on_evict is not None and meta is not None:
             self.on_evict(block_id, meta.block_hash)
+        self._metas[block_id] = None
         return block_id
 
     def _return_to_free(self, block_ids: list[int]) -> None:

@@ -20,6 +20,8 @@ from typing import Callable
 
 import msgspec
 
+from shared.config import RetentionConfig, RetentionSettings  # noqa: F401  (defined with the config; re-exported)
+
 
 class BlockMeta(msgspec.Struct, kw_only=True):
     """What a policy may know about one cached block.
@@ -39,6 +41,7 @@ class BlockMeta(msgspec.Struct, kw_only=True):
         num_request_blocks: blocks of the prompt of the request that last released the block (0 = unknown).
         num_request_cached_blocks: how many of those leading blocks that request found in the cache (prefix hit
             length in blocks; 0 = a fresh conversation or unknown).
+        cached_at_s: when the block entered the device prefix cache, on the policy clock (block lifetime metric).
     """
 
     block_hash: int
@@ -52,6 +55,7 @@ class BlockMeta(msgspec.Struct, kw_only=True):
     is_partial: bool = False
     num_request_blocks: int = 0
     num_request_cached_blocks: int = 0
+    cached_at_s: float = 0.0
 
 
 class EvictionPolicy(abc.ABC):
@@ -414,38 +418,6 @@ def make_policy(name: str) -> EvictionPolicy:
 
 
 PRESSURE_LEVELS = ("normal", "elevated", "critical")
-
-
-class RetentionSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """How long the prefix cache keeps blocks at one pressure level (DESIGN.md, KV cache; issue 4).
-
-    Attributes:
-        eviction_policy: policy name to switch to at this level; "" keeps the configured one.
-        ttl_scale: factor applied to every retention wish (request TTL bounded by its tier), 0–1.
-        max_ttl_s: ceiling on any block's retention in seconds at this level.
-        min_retained_tier_priority: blocks of tiers with a lower priority expire as soon as they are released
-            (retention only for the top tiers).
-        min_cached_tier_priority: new requests of tiers with a lower priority do not enter the prefix cache at all
-            (no-cache mode); their blocks go straight back to the free list.
-    """
-
-    eviction_policy: str = ""
-    ttl_scale: float = 1.0
-    max_ttl_s: float = float("inf")
-    min_retained_tier_priority: int = -(2**31)
-    min_cached_tier_priority: int = -(2**31)
-
-
-class RetentionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Retention settings per pressure level; ``normal`` applies the tiers' own settings unchanged.
-
-    The defaults match the default tiers (vip 3, standard 2, free 1, batch 0).
-    """
-
-    normal: RetentionSettings = RetentionSettings()
-    elevated: RetentionSettings = RetentionSettings(ttl_scale=0.5, max_ttl_s=300.0, min_retained_tier_priority=1)
-    critical: RetentionSettings = RetentionSettings(eviction_policy="tier", ttl_scale=0.25, max_ttl_s=60.0,
-                                                    min_retained_tier_priority=2, min_cached_tier_priority=1)
 
 
 def retention_for_pressure(level: str, config: RetentionConfig = RetentionConfig()) -> RetentionSettings:

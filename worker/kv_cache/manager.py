@@ -9,18 +9,41 @@ table tail first: with LRU the tail of a chain is evicted before its head, keepi
 Block table of a request (``block_idx`` -> ``block_id``)::
 
     token t  ->  block_table[t // block_size], offset t % block_size
-    [ cached hit blocks | blocks computed by this request | room for the tokens scheduled now ]
+    [ device hits | reloaded from host/disk/Redis | computed by this request | room for the tokens scheduled now ]
+
+KV lifetime (issue 4): :meth:`KVCacheManager.admit` is the scheduler's admission call. After the device hits it
+looks the chain up in the offload tiers and reloads the blocks the cost model says are cheaper to move than to
+recompute; a sequence preempted by swap gets its swapped blocks back. A released request stamps its cached blocks
+with its tier, retention deadline (its TTL wish bounded by config and the pressure level) and the facts the
+``sluice`` policy classifies by; an evicted block is demoted to the offload chain unless its retention is over.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
+from shared.config import KVConfig
 from worker.kv_cache.block_pool import BlockPool
-from worker.kv_cache.eviction import BlockMeta, EvictionPolicy
+from worker.kv_cache.eviction import (
+    PRESSURE_LEVELS,
+    BlockMeta,
+    EvictionPolicy,
+    block_expiry_s,
+    caches_new_request,
+    make_policy,
+    retention_for_pressure,
+)
+from worker.kv_cache.offload.chain import OffloadChain
 from worker.kv_cache.prefix_cache import PrefixCache, hash_token_blocks
+from worker.kv_cache.stats import KVStats
 from worker.sequence import Sequence, SequenceStatus
+
+PREEMPT_SWAP = "swap"
+PREEMPT_RECOMPUTE = "recompute"
+# (enter, leave) fractions of used blocks for elevated and critical; config.pressure's KV thresholds by default
+DEFAULT_PRESSURE_THRESHOLDS = ((0.85, 0.75), (0.95, 0.9))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,23 +59,41 @@ class KVCacheManager:
         enable_prefix_caching: reuse cached full blocks across requests; off, every request computes its prompt.
         eviction_policy: policy name or instance (see :mod:`worker.kv_cache.eviction`).
         clock: monotonic seconds, for block expiry and recency.
+        config: TTL bounds and retention per pressure level (``[kv]``); its ``eviction_policy`` is not read here.
+        offload: the offload chain (tiers, swap space, cost model); None = evicted blocks are dropped and
+            preemption always recomputes (the simulator, tests of the scheduler).
+        stats: counters; the offload chain's when it has one.
+        pressure_thresholds: ``((enter, leave) elevated, (enter, leave) critical)`` used-block fractions.
 
     Raises:
         ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unknown policy name.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: EvictionPolicy | str = "lru", clock: Callable[[], float] = time.monotonic) -> None:
+                 eviction_policy: EvictionPolicy | str = "lru", clock: Callable[[], float] = time.monotonic,
+                 config: KVConfig = KVConfig(), offload: OffloadChain | None = None, stats: KVStats | None = None,
+                 pressure_thresholds: tuple[tuple[float, float], tuple[float, float]] = DEFAULT_PRESSURE_THRESHOLDS,
+                 ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
+        self.config = config
+        self.offload = offload
+        self.stats = stats if stats is not None else (offload.stats if offload is not None else KVStats())
         self.prefix_cache = PrefixCache()
         self.pool = BlockPool(num_blocks, eviction_policy, clock=clock, on_evict=self._on_evict)
+        self._policies: dict[str, EvictionPolicy] = {self.pool.policy.name: self.pool.policy}
+        self._base_policy_name = self.pool.policy.name
+        self.pressure_thresholds = pressure_thresholds
+        self.pressure = "normal"
+        self.retention = retention_for_pressure("normal", config.retention)
         self._req_to_blocks: dict[str, list[int]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}  # chain hashes of the request's full blocks so far
         self._req_num_cached_blocks: dict[str, int] = {}  # leading blocks of the table already hashed
+        self._no_cache: set[str] = set()  # requests admitted in no-cache mode (pressure): never hashed
+        self._swapped_num_computed: dict[str, int] = {}  # request -> computed tokens when it was swapped out
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
 
@@ -115,8 +156,75 @@ class KVCacheManager:
         block_ids = self.prefix_cache.match_prefix(token_ids, hashes[:max_blocks], self.block_size)
         return block_ids, len(block_ids) * self.block_size
 
+    def admit(self, seq: Sequence, max_new_tokens: int) -> int | None:
+        """Give a waiting ``seq`` its block table for admission: hits, reloads or swapped blocks, then new ones.
+
+        Order: device prefix hits; a sequence preempted by swap gets its swapped blocks back; otherwise the run of
+        blocks found in the offload tiers after the device hits is reloaded as far as the cost model says it pays
+        (:meth:`worker.kv_cache.offload.cost.CostModel.num_blocks_to_reload`); then room for
+        ``min(remaining tokens, max_new_tokens)`` tokens to compute now.
+
+        Args:
+            seq: a WAITING or PREEMPTED sequence (``num_computed_tokens == 0``, no blocks).
+            max_new_tokens: the step's remaining token budget (>= 1).
+
+        Returns:
+            Tokens already computed (served from cache, reload or swap; the scheduler computes from there), or None
+            when the pool cannot hold it now (nothing changes, except blocks reloaded into the device cache).
+        """
+        if self._swapped_num_computed.get(seq.request_id) is not None:
+            return self._swap_in(seq, max_new_tokens)
+        hit_blocks, num_hit = self.get_computed_blocks(seq)
+        num_found, run_tiers = self._plan_reload(seq, len(hit_blocks))
+        new_block_ids = None
+        for num_reload in ((len(run_tiers), 0) if run_tiers else (0,)):
+            num_new = min(seq.num_tokens - num_hit - num_reload * self.block_size, max_new_tokens)
+            new_block_ids = self.allocate_slots(seq, num_reload * self.block_size + num_new, hit_blocks,
+                                                record_query=False)
+            if new_block_ids is not None:
+                break
+        if new_block_ids is None:
+            return None
+        num_loaded = self._reload(seq, new_block_ids[:num_reload], run_tiers[:num_reload], len(hit_blocks))
+        if num_found:
+            self.stats.add("reload_decisions_total" if num_reload else "recompute_decisions_total")
+            self.stats.add("recompute_decision_tokens", (num_found - num_loaded) * self.block_size)
+        num_computed = num_hit + num_loaded * self.block_size
+        if seq.status is SequenceStatus.WAITING:
+            self._record_prefix_query(seq.num_tokens, num_computed)
+            self.stats.add("prefix_query_tokens", seq.num_tokens)
+            self.stats.add("prefix_hit_tokens", num_hit, tier="device")
+            for tier_name in run_tiers[:num_loaded]:
+                self.stats.add("prefix_hit_tokens", self.block_size, tier=tier_name)
+        if not caches_new_request(self.retention, seq.tier_priority):
+            self._no_cache.add(seq.request_id)
+        return num_computed
+
+    def preempt(self, seq: Sequence) -> str:
+        """Take a running ``seq``'s blocks back: swap them to host RAM or drop them for recompute, by cost.
+
+        Returns:
+            :data:`PREEMPT_SWAP` (its blocks come back on :meth:`admit`) or :data:`PREEMPT_RECOMPUTE`.
+        """
+        table = self._req_to_blocks.get(seq.request_id, [])[:self.num_blocks_for(seq.num_computed_tokens)]
+        swap = self.offload.swap if self.offload is not None else None
+        mode = PREEMPT_RECOMPUTE
+        if (swap is not None and table and swap.can_hold(len(table))
+                and self.offload.cost.prefers_swap(len(table), swap.block_bytes, seq.num_computed_tokens)):
+            elapsed_s = swap.swap_out(seq.request_id, table)
+            self.offload.cost.observe_transfer("host", len(table) * swap.block_bytes, elapsed_s)
+            self._swapped_num_computed[seq.request_id] = seq.num_computed_tokens
+            mode = PREEMPT_SWAP
+        self._release(seq)
+        self.stats.add("preemptions", 1, mode=mode)
+        return mode
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped_num_computed
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       new_computed_blocks: list[int] | tuple[int, ...] = ()) -> list[int] | None:
+                       new_computed_blocks: list[int] | tuple[int, ...] = (),
+                       record_query: bool = True) -> list[int] | None:
         """Grow ``seq``'s block table to hold its computed tokens, the cache hits and ``num_new_tokens`` more.
 
         Args:
@@ -134,12 +242,13 @@ class KVCacheManager:
         num_hits_evictable = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
         if num_needed + num_hits_evictable > self.pool.num_free_blocks:
             return None
+        self._observe_reuse_gaps(new_computed_blocks)
         self.pool.touch(new_computed_blocks)
         new_block_ids = self.pool.allocate(num_needed)
         if new_block_ids is None:
             self.pool.free(reversed(new_computed_blocks))
             return None
-        if seq.request_id not in self._req_to_blocks and seq.status is SequenceStatus.WAITING:
+        if record_query and seq.request_id not in self._req_to_blocks and seq.status is SequenceStatus.WAITING:
             self._record_prefix_query(seq.num_tokens, len(new_computed_blocks) * self.block_size)
         table = self._req_to_blocks.setdefault(seq.request_id, table)
         table.extend(new_computed_blocks)
@@ -154,7 +263,7 @@ class KVCacheManager:
         Call after the step that computed them (``seq.num_computed_tokens`` already advanced), so a block is
         shared only once its K/V are written.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.request_id in self._no_cache:
             return
         table = self._req_to_blocks.get(seq.request_id)
         if table is None:
@@ -170,19 +279,148 @@ class KVCacheManager:
         self._req_num_cached_blocks[seq.request_id] = num_full
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks, tail first; its cached blocks become evictable with its tier and TTL.
+        """Release ``seq``'s blocks (finish or abort), tail first, and any swapped copy of them.
 
-        Unknown or already freed requests are ignored.
+        Its cached blocks become evictable with its tier and retention. Unknown or already freed requests are
+        ignored.
         """
+        if self._swapped_num_computed.pop(seq.request_id, None) is not None:
+            self.offload.swap.drop(seq.request_id)
+        self._release(seq)
+
+    # ------------------------------------------------------------------ pressure
+
+    def update_pressure(self) -> str:
+        """Recompute the pressure level from the used-block fraction (with hysteresis) and apply it."""
+        usage = self.usage
+        (enter_elevated, leave_elevated), (enter_critical, leave_critical) = self.pressure_thresholds
+        level = self.pressure
+        if usage >= enter_critical:
+            level = "critical"
+        elif level == "critical" and usage < leave_critical:
+            level = "elevated" if usage >= leave_elevated else "normal"
+        elif level == "normal" and usage >= enter_elevated:
+            level = "elevated"
+        elif level == "elevated" and usage < leave_elevated:
+            level = "normal"
+        self.set_pressure(level)
+        return level
+
+    def set_pressure(self, level: str) -> None:
+        """Apply the retention settings of pressure ``level``: TTL scaling, retained and cached tiers, policy.
+
+        Raises:
+            ValueError: unknown level.
+        """
+        if level not in PRESSURE_LEVELS:
+            raise ValueError(f"unknown pressure level {level!r}; valid: {', '.join(PRESSURE_LEVELS)}")
+        if level == self.pressure:
+            return
+        self.pressure = level
+        self.retention = retention_for_pressure(level, self.config.retention)
+        name = self.retention.eviction_policy or self._base_policy_name
+        policy = self._policies.get(name)
+        if policy is None:
+            policy = self._policies[name] = make_policy(name)
+        self.pool.set_policy(policy)
+        self.stats.add("pressure_switches_total", 1, level=level)
+
+    def stats_snapshot(self) -> dict[str, float]:
+        """Return ``Capacity.kv_stats`` (see :class:`worker.kv_cache.stats.KVStats` for the keys)."""
+        if self.offload is not None:
+            self.offload.publish_gauges()
+        self.stats.set_gauge("pressure_level", PRESSURE_LEVELS.index(self.pressure))
+        return self.stats.snapshot()
+
+    # ------------------------------------------------------------------ internals
+
+    def _release(self, seq: Sequence) -> None:
         table = self._req_to_blocks.pop(seq.request_id, None)
         num_cached = self._req_num_cached_blocks.pop(seq.request_id, 0)
         self._req_to_hashes.pop(seq.request_id, None)
+        self._no_cache.discard(seq.request_id)
         if table is None:
             return
         self._update_metas(seq, table, num_cached)
         self.pool.free(reversed(table))
 
-    # ------------------------------------------------------------------ internals
+    def _plan_reload(self, seq: Sequence, num_hit_blocks: int) -> tuple[int, list[str]]:
+        """Find the run of blocks after the device hits held by the offload tiers and decide how much to reload.
+
+        Returns:
+            ``(blocks found, tier of each block to reload)``; the reload is the cost model's leading part.
+        """
+        if self.offload is None or not self.offload.tiers or not self.enable_prefix_caching:
+            return 0, []
+        token_ids = seq.all_token_ids
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if num_hit_blocks >= max_blocks:
+            return 0, []
+        hashes = self._hashes(seq, token_ids, max_blocks)[:max_blocks]
+        run_tiers = self.offload.find(hashes, num_hit_blocks)
+        if not run_tiers:
+            return 0, []
+        num_reload = self.offload.cost.num_blocks_to_reload(run_tiers, self.offload.block_bytes, self.block_size)
+        return len(run_tiers), run_tiers[:num_reload]
+
+    def _reload(self, seq: Sequence, block_ids: list[int], run_tiers: list[str], start_idx: int) -> int:
+        """Fill fresh blocks ``block_ids`` (table positions ``start_idx, …``) from the tiers; register them cached.
+
+        Stops at the first block a tier no longer has or whose token ids differ; returns how many were loaded.
+        """
+        if not block_ids:
+            return 0
+        token_ids = seq.all_token_ids
+        hashes = self._hashes(seq, token_ids, start_idx + len(block_ids))
+        now_s = self.clock()
+        num_loaded = 0
+        for offset, (block_id, tier_name) in enumerate(zip(block_ids, run_tiers)):
+            block_idx = start_idx + offset
+            parent = hashes[block_idx - 1] if block_idx > 0 else None
+            tokens = token_ids[block_idx * self.block_size:(block_idx + 1) * self.block_size]
+            if not self.offload.load(tier_name, block_id, hashes[block_idx], parent, tokens):
+                break
+            if not self.prefix_cache.insert(hashes[block_idx], parent, tokens, block_id):
+                break
+            self.pool.mark_cached(block_id, BlockMeta(block_hash=hashes[block_idx], block_idx=block_idx,
+                                                      tier=seq.tier, tier_priority=seq.tier_priority,
+                                                      last_access_s=now_s, cached_at_s=now_s))
+            num_loaded += 1
+        self._req_num_cached_blocks[seq.request_id] = start_idx + num_loaded
+        return num_loaded
+
+    def _swap_in(self, seq: Sequence, max_new_tokens: int) -> int | None:
+        """Admit a sequence preempted by swap: device hits for its leading blocks, its swapped blocks for the rest."""
+        num_computed = self._swapped_num_computed[seq.request_id]
+        swap = self.offload.swap
+        num_swapped = swap.num_blocks_of(seq.request_id)
+        hit_blocks, _ = self.get_computed_blocks(seq)
+        hit_blocks = hit_blocks[:min(num_swapped, num_computed // self.block_size)]
+        num_new = min(seq.num_tokens - num_computed, max_new_tokens)
+        new_block_ids = self.allocate_slots(seq, num_computed - len(hit_blocks) * self.block_size + num_new,
+                                            hit_blocks, record_query=False)
+        if new_block_ids is None:
+            return None
+        elapsed_s = swap.swap_in(seq.request_id, new_block_ids[:num_swapped - len(hit_blocks)], skip=len(hit_blocks))
+        self.offload.cost.observe_transfer("host", (num_swapped - len(hit_blocks)) * swap.block_bytes, elapsed_s)
+        del self._swapped_num_computed[seq.request_id]
+        self._req_num_cached_blocks[seq.request_id] = len(hit_blocks)
+        return num_computed
+
+    def _observe_reuse_gaps(self, block_ids) -> None:
+        now_s = self.clock()
+        for block_id in block_ids:
+            meta = self.pool.meta(block_id)
+            if meta is not None and self.pool.ref_count(block_id) == 0:
+                self.stats.reuse_gap_s.add(max(0.0, now_s - meta.last_access_s))
+
+    def _retention_s(self, seq: Sequence) -> float:
+        """The request's retention wish (or the default) bounded by config and its tier, seconds; inf = none."""
+        wish_s = seq.cache_ttl_s if seq.cache_ttl_s > 0 else self.config.default_cache_ttl_s
+        if wish_s <= 0:
+            wish_s = math.inf
+        bound_s = min(self.config.max_cache_ttl_s, self.config.max_cache_ttl_s_by_tier.get(seq.tier, math.inf))
+        return min(wish_s, bound_s)
 
     def _hashes(self, seq: Sequence, token_ids: list[int], num_blocks: int) -> list[int]:
         known = self._req_to_hashes.get(seq.request_id, [])
@@ -200,14 +438,24 @@ class KVCacheManager:
         tokens = token_ids[block_idx * self.block_size:(block_idx + 1) * self.block_size]
         if not self.prefix_cache.insert(hashes[block_idx], parent, tokens, block_id):
             return  # the same content is already cached in another block; this one stays private
+        now_s = self.clock()
         meta = BlockMeta(block_hash=hashes[block_idx], block_idx=block_idx, tier=seq.tier,
-                         tier_priority=seq.tier_priority, last_access_s=self.clock())
+                         tier_priority=seq.tier_priority, last_access_s=now_s, cached_at_s=now_s)
         self.pool.mark_cached(block_id, meta)
 
     def _update_metas(self, seq: Sequence, table: list[int], num_cached: int) -> None:
-        """Stamp the cached blocks of ``table`` with the request that releases them (tier, expiry, chain tail)."""
+        """Stamp the cached blocks of ``table`` with the request that releases them.
+
+        Tier, retention deadline (:func:`~worker.kv_cache.eviction.block_expiry_s` at the current pressure), chain
+        tail, and what the ``sluice`` policy classifies by: whether the block holds the prompt's partial last
+        block, the prompt's length in blocks and how many of them the request found cached.
+        """
         now_s = self.clock()
-        expires_at_s = now_s + seq.cache_ttl_s if seq.cache_ttl_s > 0 else float("inf")
+        expires_at_s = block_expiry_s(self.retention, seq.tier_priority, self._retention_s(seq), now_s)
+        num_prompt = seq.num_prompt_tokens
+        partial_idx = num_prompt // self.block_size if num_prompt % self.block_size else -1
+        num_request_blocks = -(-num_prompt // self.block_size)
+        num_request_cached_blocks = seq.num_cached_tokens // self.block_size
         metas = [(idx, self.pool.meta(table[idx])) for idx in range(num_cached)]
         metas = [(idx, meta) for idx, meta in metas if meta is not None]
         for block_idx, meta in metas:
@@ -217,6 +465,9 @@ class KVCacheManager:
             meta.expires_at_s = expires_at_s
             meta.last_access_s = now_s
             meta.is_chain_tail = block_idx == metas[-1][0]
+            meta.is_partial = block_idx == partial_idx
+            meta.num_request_blocks = num_request_blocks
+            meta.num_request_cached_blocks = num_request_cached_blocks
 
     def _record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one first admission (not a resume after preemption) in the prefix hit counters."""
@@ -224,4 +475,16 @@ class KVCacheManager:
         self.prefix_hits_tokens += num_hit_tokens
 
     def _on_evict(self, block_id: int, block_hash: int) -> None:
+        """Count the eviction and demote the block to the offload chain (its K/V are still in the pool)."""
+        meta = self.pool.meta(block_id)
+        entry = self.prefix_cache.entry(block_id)
+        now_s = self.clock()
+        if meta is not None:
+            self.stats.add("evicted_blocks", 1, policy=self.pool.policy.name, tier=meta.tier)
+            self.stats.block_lifetime_s.add(max(0.0, now_s - meta.cached_at_s))
+        if self.offload is not None and meta is not None and entry is not None and entry[0] == block_hash:
+            if meta.expires_at_s <= now_s:
+                self.stats.add("expired_blocks")
+            else:
+                self.offload.demote(block_id, block_hash, entry[1], entry[2], meta.expires_at_s)
         self.prefix_cache.remove(block_id, block_hash)

@@ -120,6 +120,10 @@ class PrefixCache:
         del self._block_id_to_key[block_id]
         del self._hash_to_block_id[block_hash]
 
+    def entry(self, block_id: int) -> tuple[int, int | None, tuple[int, ...]] | None:
+        """Return ``(block_hash, parent_hash, token_ids)`` of a cached block, None for an uncached one."""
+        return self._block_id_to_key.get(block_id)
+
     def block_hash_of(self, block_id: int) -> int | None:
         key = self._block_id_to_key.get(block_id)
         return None if key is None else key[0]

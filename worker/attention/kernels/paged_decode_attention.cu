@@ -60,10 +60,15 @@
 // Shared memory (static): decode CTA 4 warps × H heads × (head_dim + 2) floats for the warp merge:
 // 4.2 KB (H=2, d=128) … 16.6 KB (H=8, d=128); reduce CTA kMaxPartitions floats of weights + 8 floats = 2 KB.
 // Registers: per lane H*8 fp32 of q, H*8 of o, kItersPerTile*H scores, 2*kItersPerTile 16-byte K/V vectors in
-// flight (kItersPerTile = 8 for H <= 4, 4 for H = 8, so no instance spills: see tests/worker/test_kernel_compile.py).
+// flight (kItersPerTile = 8 for H <= 4, 4 for H = 8). __launch_bounds__(128, 2) caps them at 255 and no instance
+// spills (tests/worker/test_kernel_compile.py checks ptxas' report); sm_90, H=4, d=128, bs=16 uses 221 registers:
+// 2 CTAs = 8 warps per SM, each warp with up to 16 16-byte loads (8 KB) in flight. Batch 1 or a few sequences get
+// their parallelism from the split (cupy_paged.py plans it from the SM count and this occupancy).
 //
 // ── Build ───────────────────────────────────────────────────────────────────────────────────────────────────
-// Self-contained: no #include, so it builds the same with nvcc and NVRTC (CuPy RawModule). bf16/fp16 are
+// Self-contained: no #include, so it builds the same with nvcc and NVRTC (CuPy RawModule). With
+// SLUICE_HOST_EMULATION defined, the five inline-PTX helpers take plain C++ forms so that a host C++ compiler can
+// run the kernels, lane by lane, on the CPU (tests/worker/test_kernel_emulation.py supplies the CUDA built-ins). bf16/fp16 are
 // handled as 16-bit storage (bf16: shift into the high half of an fp32; fp16: cvt.f32.f16) with fp32 math.
 // Every instantiation has an extern "C" entry point named
 //     paged_decode_<dtype>_d<head_dim>_b<block_size>_g<H>          single pass, writes out
@@ -96,9 +101,13 @@ struct __align__(2) f16_t {
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = +0
+#ifdef SLUICE_HOST_EMULATION
+  return exp2f(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 struct Bf16 {
@@ -124,13 +133,22 @@ struct F16 {
   static __device__ __forceinline__ void unpack2(unsigned int x, float& lo, float& hi) {
     const unsigned short a = static_cast<unsigned short>(x & 0xffffu);
     const unsigned short b = static_cast<unsigned short>(x >> 16);
+#ifdef SLUICE_HOST_EMULATION
+    lo = host_f16_to_float(a);
+    hi = host_f16_to_float(b);
+#else
     asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
     asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+#endif
   }
   static __device__ __forceinline__ unsigned short pack(float f) {  // round to nearest even
+#ifdef SLUICE_HOST_EMULATION
+    return host_float_to_f16(f);
+#else
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#endif
   }
 };
 
@@ -144,17 +162,25 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVecElems]) {
 
 // 16-byte read-only load that bypasses L1: K/V are streamed once.
 __device__ __forceinline__ uint4 load_stream_16b(const void* ptr) {
+#ifdef SLUICE_HOST_EMULATION
+  return *static_cast<const uint4*>(ptr);
+#else
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(ptr));
   return v;
+#endif
 }
 
 __device__ __forceinline__ uint4 load_16b(const void* ptr) {
+#ifdef SLUICE_HOST_EMULATION
+  return *static_cast<const uint4*>(ptr);
+#else
   uint4 v;
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
   return v;
+#endif
 }
 
 // Tile geometry of one (head_dim, block_size, heads per CTA) instance; mirrored by partitioned_ref.py.
@@ -451,6 +477,7 @@ __device__ __forceinline__ void paged_decode_reduce_body(
   const float* __restrict__ outs = partial_out + row * num_partitions * kHeadDim;
   for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
     float acc = 0.0f;
+#pragma unroll 8
     for (int p = 0; p < used; ++p) acc = fmaf(s_weight[p], outs[static_cast<long long>(p) * kHeadDim + d], acc);
     out[row * kHeadDim + d].bits = Traits::pack(acc * inv_l);
   }

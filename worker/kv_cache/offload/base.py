@@ -1,0 +1,178 @@
+"""One offload tier: a bounded store of KV blocks keyed by chain hash, least recently used evicted first.
+
+A tier stores a block's bytes (``[block_bytes] uint8`` on the CPU: the block's ``[num_layers, 2, num_kv_heads,
+block_size, head_dim]`` slice of the pool, whatever its dtype) with the parent hash and token ids it was computed
+from, so a reload can verify it serves exactly the asked prefix. A tier never holds more than ``capacity_bytes``;
+its least recently used block is pushed out first and handed to the ``lower`` tier, if any (host → disk → Redis).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.kv_cache.stats import KVStats
+
+
+@dataclass
+class OffloadedBlock:
+    """A KV block outside the device pool.
+
+    Attributes:
+        block_hash: chain hash of the block (:func:`worker.kv_cache.prefix_cache.hash_block_tokens`).
+        parent_hash: chain hash of the previous block, None for block 0.
+        token_ids: the ``block_size`` token ids the block's K/V were computed from.
+        data: ``[block_bytes] uint8``, CPU; from a tier's ``get`` it may be a view into the tier's memory, valid
+            until the next call on that tier.
+        expires_at_s: retention deadline on the tier's clock (seconds); ``inf`` = none.
+    """
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    data: torch.Tensor
+    expires_at_s: float = float("inf")
+
+    def matches(self, parent_hash: int | None, token_ids: Sequence[int]) -> bool:
+        """Whether the block holds exactly this content (a hash collision never passes)."""
+        return self.parent_hash == parent_hash and self.token_ids == tuple(token_ids)
+
+
+@dataclass
+class _Entry:
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    nbytes: int
+    expires_at_s: float
+    handle: object  # where the tier keeps the bytes: a slot, a file path, a Redis key
+
+
+class OffloadTier(abc.ABC):
+    """A bounded LRU store of :class:`OffloadedBlock` keyed by chain hash.
+
+    Subclasses say where bytes live (:meth:`_store`, :meth:`_load`, :meth:`_drop`); the bound, recency, expiry
+    and demotion to ``lower`` are common.
+
+    Args:
+        capacity_bytes: most bytes of block data held at once.
+        stats: counters (``offloaded_*``, ``offload_evicted_blocks``, ``reloaded_*`` are kept by the chain).
+        lower: the next tier down, which receives blocks pushed out of this one; None drops them.
+        clock: seconds, the same clock as ``OffloadedBlock.expires_at_s``.
+    """
+
+    name: str = ""
+
+    def __init__(self, capacity_bytes: int, stats: KVStats | None = None, lower: OffloadTier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"{self.name} tier: capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.stats = stats if stats is not None else KVStats()
+        self.lower = lower
+        self.clock = clock
+        self.used_bytes = 0
+        self._index: OrderedDict[int, _Entry] = OrderedDict()  # LRU first
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    def contains(self, block_hash: int) -> bool:
+        """Whether the tier holds an unexpired block with this hash."""
+        entry = self._index.get(block_hash)
+        return entry is not None and entry.expires_at_s > self.clock()
+
+    def contains_many(self, block_hashes: Sequence[int]) -> list[bool]:
+        """Return :meth:`contains` for each hash (a remote tier answers in one round trip)."""
+        return [self.contains(block_hash) for block_hash in block_hashes]
+
+    def put(self, block: OffloadedBlock) -> bool:
+        """Store ``block`` (copying its data), pushing least recently used blocks down to make room.
+
+        Returns:
+            True when the tier now holds the block; False when it cannot (larger than the tier, already expired,
+            or a storage error).
+        """
+        nbytes = block.data.numel() * block.data.element_size()
+        if nbytes > self.capacity_bytes or block.expires_at_s <= self.clock():
+            return False
+        if block.block_hash in self._index:
+            self._index.move_to_end(block.block_hash)
+            return True
+        while self.used_bytes + nbytes > self.capacity_bytes and self._index:
+            self._evict_one()
+        handle = self._store(block)
+        if handle is None:
+            return False
+        self._index[block.block_hash] = _Entry(block.parent_hash, block.token_ids, nbytes, block.expires_at_s, handle)
+        self.used_bytes += nbytes
+        self.stats.add("offloaded_bytes", nbytes, tier=self.name)
+        self.stats.add("offloaded_blocks", 1, tier=self.name)
+        return True
+
+    def get(self, block_hash: int) -> OffloadedBlock | None:
+        """Return the stored block (now most recently used), or None when absent, expired or unreadable."""
+        entry = self._index.get(block_hash)
+        if entry is None:
+            return None
+        if entry.expires_at_s <= self.clock():
+            self._remove(block_hash)
+            return None
+        loaded = self._load(entry)
+        if loaded is None:
+            self._remove(block_hash)
+            return None
+        parent_hash, token_ids, data = loaded
+        self._index.move_to_end(block_hash)
+        return OffloadedBlock(block_hash, parent_hash, token_ids, data, entry.expires_at_s)
+
+    def touch(self, block_hash: int) -> None:
+        """Mark a held block most recently used (no data moves); unknown hashes are ignored."""
+        if block_hash in self._index:
+            self._index.move_to_end(block_hash)
+
+    def discard(self, block_hash: int) -> None:
+        """Forget a block (no demotion); unknown hashes are ignored."""
+        if block_hash in self._index:
+            self._remove(block_hash)
+
+    def close(self) -> None:
+        """Release the tier's resources (files, connections); the tier is empty afterwards."""
+        for block_hash in list(self._index):
+            self._remove(block_hash)
+
+    # ------------------------------------------------------------------ storage (subclasses)
+
+    @abc.abstractmethod
+    def _store(self, block: OffloadedBlock) -> object | None:
+        """Copy the block's data into the tier's storage; return its handle, None on a storage error."""
+
+    @abc.abstractmethod
+    def _load(self, entry: _Entry) -> tuple[int | None, tuple[int, ...], torch.Tensor] | None:
+        """Return ``(parent_hash, token_ids, data)`` as stored, None when the storage lost it."""
+
+    @abc.abstractmethod
+    def _drop(self, entry: _Entry) -> None:
+        """Free the storage of one entry."""
+
+    # ------------------------------------------------------------------ internals
+
+    def _evict_one(self) -> None:
+        block_hash, entry = next(iter(self._index.items()))
+        if self.lower is not None and entry.expires_at_s > self.clock():
+            loaded = self._load(entry)
+            if loaded is not None:
+                parent_hash, token_ids, data = loaded
+                self.lower.put(OffloadedBlock(block_hash, parent_hash, token_ids, data, entry.expires_at_s))
+        self._remove(block_hash)
+        self.stats.add("offload_evicted_blocks", 1, tier=self.name)
+
+    def _remove(self, block_hash: int) -> None:
+        entry = self._index.pop(block_hash)
+        self._drop(entry)
+        self.used_bytes -= entry.nbytes

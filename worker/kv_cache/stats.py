@@ -1,0 +1,104 @@
+"""Counters of the KV cache's lifetime decisions, reported in ``Capacity.kv_stats`` (issue 4, Metrics).
+
+A snapshot is a flat ``dict[str, float]``. A key is a metric name, optionally followed by labels in braces, the
+way Prometheus writes a sample: ``prefix_hit_tokens{tier=host}``, ``evicted_blocks{policy=lru,tier=free}``.
+Names ending in ``_total`` / ``_tokens`` / ``_bytes`` / ``_blocks`` (without ``_p50``, ``_p90``) are monotonic
+counters since the worker started; ``*_p50`` / ``*_p90`` are quantiles over the last :data:`RESERVOIR_SIZE`
+samples; ``*_used_bytes`` / ``*_capacity_bytes`` / ``redis_up`` are gauges.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+RESERVOIR_SIZE = 1024
+STORAGE_TIERS = ("device", "host", "disk", "redis")
+
+
+def labelled(name: str, **labels: str) -> str:
+    """Return the snapshot key of ``name`` with ``labels`` (sorted by label name): ``name{a=x,b=y}``."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f"{key}={labels[key]}" for key in sorted(labels)) + "}"
+
+
+class _Summary:
+    """Count, sum and recent quantiles of one quantity (bounded memory: the last ``RESERVOIR_SIZE`` samples)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.recent: collections.deque[float] = collections.deque(maxlen=RESERVOIR_SIZE)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.recent.append(value)
+
+    def items(self, name: str) -> dict[str, float]:
+        out = {f"{name}_count": float(self.count), f"{name}_sum": self.total}
+        if len(self.recent) >= 2:
+            deciles = statistics.quantiles(self.recent, n=10)
+            p50, p90 = deciles[4], deciles[8]
+        elif self.recent:
+            p50 = p90 = self.recent[0]
+        else:
+            p50 = p90 = 0.0
+        out[f"{name}_p50"] = p50
+        out[f"{name}_p90"] = p90
+        return out
+
+
+class KVStats:
+    """Mutable counters of one worker's KV cache; :meth:`snapshot` makes the ``Capacity.kv_stats`` dict.
+
+    Keys of the snapshot (tokens and bytes are totals since start):
+
+    - ``prefix_query_tokens``: prompt tokens of first admissions (the denominator of every hit rate).
+    - ``prefix_hit_tokens{tier=device|host|disk|redis}``: of those, tokens served from that storage tier.
+    - ``evicted_blocks{policy=P,tier=T}``: device evictions by the policy in charge and the block's admission tier.
+    - ``expired_blocks``: evicted device blocks past their retention, dropped instead of demoted.
+    - ``offloaded_bytes{tier=S}``, ``offloaded_blocks{tier=S}``: blocks written into offload tier S.
+    - ``reloaded_bytes{tier=S}``, ``reloaded_blocks{tier=S}``: blocks read back from S into the device pool.
+    - ``offload_evicted_blocks{tier=S}``: blocks pushed out of S by its size bound (demoted or dropped).
+    - ``reload_decisions_total`` / ``recompute_decisions_total``: lookups in the lower tiers that found blocks and
+      chose to reload them / to recompute them (cost model); ``recompute_decision_tokens`` what that left to compute.
+    - ``reload_verify_failures_total``: a reloaded block whose stored token ids did not match (treated as a miss).
+    - ``preemptions{mode=swap|recompute}``; ``swapped_out_bytes``, ``swapped_in_bytes``.
+    - ``block_lifetime_s_{count,sum,p50,p90}``: seconds a block stayed cached on the device (cached → evicted).
+    - ``reuse_gap_s_{count,sum,p50,p90}``: seconds between a block's release and its reuse by a prefix hit.
+    - ``redis_errors_total``, ``redis_up`` (1 or 0; absent without Redis).
+    - ``tier_used_bytes{tier=S}``, ``tier_capacity_bytes{tier=S}``: occupancy of each offload tier (gauges).
+    - ``measured_bandwidth_bytes_per_s{tier=S}``, ``measured_prefill_tokens_per_s``: the cost model's estimates.
+    """
+
+    def __init__(self) -> None:
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.gauges: dict[str, float] = {}
+        self.block_lifetime_s = _Summary()
+        self.reuse_gap_s = _Summary()
+
+    def add(self, name: str, value: float = 1.0, **labels: str) -> None:
+        """Add ``value`` to the counter ``name{labels}``."""
+        self.counters[labelled(name, **labels)] += value
+
+    def set_gauge(self, name: str, value: float, **labels: str) -> None:
+        self.gauges[labelled(name, **labels)] = float(value)
+
+    def get(self, name: str, **labels: str) -> float:
+        """Return the counter ``name{labels}`` (0 when never counted)."""
+        return float(self.counters.get(labelled(name, **labels), 0.0))
+
+    def snapshot(self) -> dict[str, float]:
+        """Return every counter, gauge and summary as one flat dict (see the class docstring for the keys)."""
+        out = {key: float(value) for key, value in self.counters.items()}
+        for tier in STORAGE_TIERS:
+            out.setdefault(labelled("prefix_hit_tokens", tier=tier), 0.0)
+        out.setdefault("prefix_query_tokens", 0.0)
+        for mode in ("swap", "recompute"):
+            out.setdefault(labelled("preemptions", mode=mode), 0.0)
+        out.update(self.gauges)
+        out.update(self.block_lifetime_s.items("block_lifetime_s"))
+        out.update(self.reuse_gap_s.items("reuse_gap_s"))
+        return out

@@ -225,6 +225,9 @@ class TierConfig(_Section):
             tiers may not take the part of it this tier is not using.
         rpm_limit: requests per minute per API key in this tier; 0 = unlimited (an API key may override it).
         tpm_limit: tokens (prompt + capped output) per minute per API key; 0 = unlimited.
+        degrade_pool: a lighter pool (``[[pools]]`` name) this tier's requests go to instead of waiting or being shed
+            when the pressure level is at least ``degrade_at``; "" = never degrade (issue 7).
+        degrade_at: the pressure level from which ``degrade_pool`` applies: ``elevated`` or ``critical``.
     """
 
     name: str
@@ -236,6 +239,8 @@ class TierConfig(_Section):
     reserved_kv_fraction: float = 0.0
     rpm_limit: int = 0
     tpm_limit: int = 0
+    degrade_pool: str = ""
+    degrade_at: Literal["elevated", "critical"] = "critical"
 
 
 # The tiers a config without ``[[tiers]]`` gets (same values as config.toml).
@@ -359,6 +364,107 @@ class BreakerConfig(_Section):
     cooldown_s: float = 10.0
 
 
+class PoolConfig(_Section):
+    """One pool of workers: one model on one kind of hardware (``[[pools]]``; issue 7).
+
+    A request's ``model`` picks the pool whose ``model_name`` it names; admission counts capacity per pool in KV
+    tokens from the pool's own workers. Local workers of a pool are started and stopped by the gateway's autoscaler
+    between ``min_workers`` and ``max_workers``; workers of the same model that register through Redis
+    (``[registry]``) join the pool as well.
+
+    Attributes:
+        name: the pool's label (``/status``, metrics, ``tiers.degrade_pool``).
+        model: GGUF file or Hugging Face folder its local workers load; "" = ``[model].path`` (and the default GGUF
+            when that is empty too).
+        model_name: the model id requests send to be served here; "" = ``[model].name``.
+        backend: backend of its local workers: ``auto``, ``cuda``, ``cpu`` or ``sim`` (the roofline simulator).
+        devices: CUDA device ids, one local worker per device (``CUDA_VISIBLE_DEVICES``); [] = every visible GPU for
+            ``cuda``, no device pinning otherwise.
+        min_workers: local workers kept even when idle; 0 lets the pool scale to zero (requests then wait through a
+            cold start in their tier queue).
+        max_workers: most local workers; 0 = remote workers only.
+        cost_per_worker_s: relative cost of one worker-second, for reports (e.g. 1.0 for an H200, 0.3 for a small GPU).
+        scale_up_after_s: seconds the scale-up condition (predicted queue wait above ``target_queue_wait_s``, or
+            pressure at least elevated) must hold before a worker is started.
+        scale_down_after_s: seconds of low use before one worker is drained and stopped.
+        target_queue_wait_s: predicted queue wait in seconds above which the pool wants more workers.
+        env: extra environment of this pool's local workers, e.g. ``{ SLUICE_SIM__MODEL_PARAMS_B = "1.7" }``.
+    """
+
+    name: str
+    model: str = ""
+    model_name: str = ""
+    backend: Literal["auto", "cpu", "cuda", "sim"] = "auto"
+    devices: list[str] = []
+    min_workers: int = 1
+    max_workers: int = 1
+    cost_per_worker_s: float = 1.0
+    scale_up_after_s: float = 5.0
+    scale_down_after_s: float = 60.0
+    target_queue_wait_s: float = 2.0
+    env: dict[str, str] = {}
+
+
+class AutoscaleConfig(_Section):
+    """The gateway's local autoscaler (``[autoscale]``; issue 7).
+
+    Attributes:
+        enabled: false = every pool keeps exactly ``min_workers`` local workers (a fixed fleet).
+        interval_s: seconds between two autoscaler decisions.
+        scale_down_utilisation: a pool is in low use when its utilisation spread over one worker fewer
+            (utilisation × n ÷ (n − 1); for one worker: any use at all) stays below this fraction (0–1).
+        initial_cold_start_s: cold-start estimate in seconds (spawn → Hello) until one has been measured.
+        max_events: scale events kept for ``/status``.
+    """
+
+    enabled: bool = True
+    interval_s: float = 1.0
+    scale_down_utilisation: float = 0.5
+    initial_cold_start_s: float = 30.0
+    max_events: int = 100
+
+
+class RegistryConfig(_Section):
+    """The Redis worker registry that lets gateways find workers on other machines (``[registry]``; issue 7).
+
+    A worker started with ``--registry`` writes its ``Hello`` fields and address to a hash and refreshes a key with
+    a TTL every ``heartbeat_interval_s``; a gateway with ``redis_url`` set polls the registry (and listens to its
+    join/leave channel) and connects to every live worker.
+
+    Attributes:
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``; "" = the gateway watches no registry.
+        key_prefix: prefix of every registry key and channel.
+        heartbeat_interval_s: seconds between two heartbeats of a worker.
+        heartbeat_ttl_s: a worker whose heartbeat is older than this is dropped (> ``heartbeat_interval_s``).
+        poll_interval_s: seconds between two scans of the registry by a gateway.
+        timeout_s: connect and socket timeout of registry calls in seconds.
+    """
+
+    redis_url: str = ""
+    key_prefix: str = "sluice:registry"
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    poll_interval_s: float = 0.5
+    timeout_s: float = 2.0
+
+
+class RateLimitConfig(_Section):
+    """Where per-key RPM/TPM buckets live (``[ratelimit]``; issue 7).
+
+    Attributes:
+        backend: ``local`` (in this gateway process) or ``redis`` (shared by every gateway on ``redis_url``, so a key
+            cannot multiply its limits by spreading over gateways).
+        redis_url: the Redis of the ``redis`` backend; "" = ``registry.redis_url``.
+        key_prefix: prefix of the bucket keys (the API key itself is stored only as a SHA-256 digest).
+        timeout_s: socket timeout of one limiter call; on a Redis failure this gateway counts locally meanwhile.
+    """
+
+    backend: Literal["local", "redis"] = "local"
+    redis_url: str = ""
+    key_prefix: str = "sluice:ratelimit"
+    timeout_s: float = 0.5
+
+
 class Config(_Section):
     """The whole ``config.toml``."""
 
@@ -373,6 +479,10 @@ class Config(_Section):
     pressure: PressureConfig = PressureConfig()
     breaker: BreakerConfig = BreakerConfig()
     api_keys: list[ApiKeyConfig] = []
+    pools: list[PoolConfig] = []
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    registry: RegistryConfig = RegistryConfig()
+    ratelimit: RateLimitConfig = RateLimitConfig()
 
 
 class ConfigError(Exception):
@@ -382,6 +492,73 @@ class ConfigError(Exception):
 def effective_tiers(config: Config) -> list[TierConfig]:
     """Return the configured tiers, or :data:`DEFAULT_TIERS` (vip, standard, free, batch) when none are."""
     return list(config.tiers) if config.tiers else list(DEFAULT_TIERS)
+
+
+DEFAULT_POOL_NAME = "default"
+
+
+def effective_pools(config: Config) -> list[PoolConfig]:
+    """Return the configured pools with ``model`` / ``model_name`` filled in from ``[model]`` where empty.
+
+    Without ``[[pools]]``: one pool named ``default`` serving ``[model]`` on ``worker.backend`` with exactly
+    ``worker.num_local_workers`` local workers (min = max, so nothing is scaled: the behaviour before pools).
+    """
+    if not config.pools:
+        count = config.worker.num_local_workers
+        return [PoolConfig(name=DEFAULT_POOL_NAME, model=config.model.path, model_name=config.model.name,
+                           backend=config.worker.backend, min_workers=count, max_workers=count)]
+    return [
+        msgspec.structs.replace(pool, model=pool.model or config.model.path,
+                                model_name=pool.model_name or config.model.name)
+        for pool in config.pools
+    ]
+
+
+def validate_pool_config(config: Config) -> None:
+    """Check pools, autoscaler, registry and rate-limit settings, and the tiers' ``degrade_pool`` names.
+
+    Raises:
+        ConfigError: the message names the offending key.
+    """
+    pools = effective_pools(config)
+    names = [pool.name for pool in pools]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"pools: duplicate pool names in {names}")
+    for i, pool in enumerate(pools):
+        where = f"pools[{i}]"
+        if not pool.name:
+            raise ConfigError(f"{where}.name: must not be empty")
+        if not 0 <= pool.min_workers <= pool.max_workers:
+            raise ConfigError(f"{where}: need 0 ≤ min_workers ≤ max_workers, got {pool.min_workers} and "
+                              f"{pool.max_workers}")
+        if pool.backend == "cuda" and pool.devices and pool.max_workers > len(pool.devices):
+            raise ConfigError(f"{where}.max_workers: {pool.max_workers} workers need as many devices, got "
+                              f"{pool.devices}")
+        if pool.scale_up_after_s < 0 or pool.scale_down_after_s < 0:
+            raise ConfigError(f"{where}: scale_up_after_s and scale_down_after_s must be ≥ 0")
+        if pool.target_queue_wait_s <= 0:
+            raise ConfigError(f"{where}.target_queue_wait_s: must be > 0, got {pool.target_queue_wait_s}")
+        if pool.cost_per_worker_s < 0:
+            raise ConfigError(f"{where}.cost_per_worker_s: must be ≥ 0")
+        unknown_env = [name for name in pool.env if not name.isidentifier()]
+        if unknown_env:
+            raise ConfigError(f"{where}.env: not environment variable names: {unknown_env}")
+    for i, tier in enumerate(effective_tiers(config)):
+        if tier.degrade_pool and tier.degrade_pool not in names:
+            raise ConfigError(f"tiers[{i}].degrade_pool: {tier.degrade_pool!r} is not a pool; pools are {names}")
+    autoscale = config.autoscale
+    if autoscale.interval_s <= 0 or autoscale.initial_cold_start_s < 0 or autoscale.max_events < 1:
+        raise ConfigError("autoscale: need interval_s > 0, initial_cold_start_s ≥ 0 and max_events ≥ 1")
+    if not 0.0 < autoscale.scale_down_utilisation <= 1.0:
+        raise ConfigError(f"autoscale.scale_down_utilisation: must be in (0, 1], got "
+                          f"{autoscale.scale_down_utilisation}")
+    registry = config.registry
+    if registry.heartbeat_interval_s <= 0 or registry.heartbeat_ttl_s <= registry.heartbeat_interval_s:
+        raise ConfigError("registry: need 0 < heartbeat_interval_s < heartbeat_ttl_s")
+    if registry.poll_interval_s <= 0 or registry.timeout_s <= 0:
+        raise ConfigError("registry: poll_interval_s and timeout_s must be > 0")
+    if config.ratelimit.backend == "redis" and not (config.ratelimit.redis_url or registry.redis_url):
+        raise ConfigError('ratelimit.redis_url: the "redis" backend needs a Redis URL (or registry.redis_url)')
 
 
 def validate_admission_config(config: Config) -> None:

@@ -167,6 +167,9 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
         num_preemptions: total since start.
         pressure: ``normal``, ``elevated`` or ``critical`` as the worker sees its KV pool.
         draining: the worker takes no new requests.
+        kv_stats: KV lifetime counters and gauges (hits per storage tier, evictions, offload / reload bytes,
+            reload vs recompute decisions, preemptions by mode, block lifetime and reuse gap); keys are
+            ``name`` or ``name{label=value,...}`` (see ``worker.kv_cache.stats.KVStats``).
     """
 
     free_kv_blocks: int
@@ -181,6 +184,7 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
     num_preemptions: int = 0
     pressure: str = "normal"
     draining: bool = False
+    kv_stats: dict[str, float] = {}
 
 
 class Pong(msgspec.Struct, tag=True, array_like=True, frozen=True):

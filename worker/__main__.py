@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ def build_worker(config: Config, worker_id: str):
 
     from worker.engine import Engine
     from worker.kv_cache.manager import KVCacheManager
+    from worker.kv_cache.offload.chain import build_offload_chain
     from worker.scheduler import Scheduler
     from worker.server import WorkerServer
 
@@ -59,6 +61,7 @@ def build_worker(config: Config, worker_id: str):
         from worker.backends.sim import build_sim_runner
 
         runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
+        offload = None  # the simulator has no KV tensor to move
     else:
         from worker.model import load_model
         from worker.model_runner import ModelRunner
@@ -78,10 +81,17 @@ def build_worker(config: Config, worker_id: str):
             raise ConfigError(f"worker.kv_cache_gib = {wc.kv_cache_gib} holds fewer than 2 KV blocks")
         kv_cache = model.allocate_kv_cache(num_blocks, wc.block_size_tokens)
         runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device)
+        offload = build_offload_chain(config.kv, runner.block_io, config.model.name, dtype_name)
+        atexit.register(offload.close)  # the disk tier's folder
         device_name = str(device)
         attention_name = getattr(model.attention, "name", type(model.attention).__name__)
     max_model_len = min(config.model.max_model_len_tokens, spec.max_position_embeddings)
-    kv_manager = KVCacheManager(num_blocks, wc.block_size_tokens, enable_prefix_caching=wc.enable_prefix_caching)
+    levels = (config.pressure.elevated, config.pressure.critical)
+    kv_manager = KVCacheManager(
+        num_blocks, wc.block_size_tokens, enable_prefix_caching=wc.enable_prefix_caching,
+        eviction_policy=config.kv.eviction_policy, config=config.kv, offload=offload,
+        pressure_thresholds=tuple((lv.enter_kv_used_fraction, lv.leave_kv_used_fraction) for lv in levels),
+    )
     scheduler = Scheduler(kv_manager, wc.max_num_seqs, wc.max_num_batched_tokens, max_model_len)
     engine = Engine(scheduler, runner, spec.eos_token_ids)
     hello = Hello(
@@ -113,6 +123,7 @@ def build_worker(config: Config, worker_id: str):
             prefix_hit_rate=engine.prefix_hit_rate(),
             num_preemptions=stats.num_preemptions,
             pressure=_pressure(usage),
+            kv_stats=engine.kv_stats(),
         )
 
     return WorkerServer(

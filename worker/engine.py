@@ -16,6 +16,7 @@ from worker.scheduler import Scheduler, SeqEvent
 from worker.sequence import Sequence
 
 THROUGHPUT_WINDOW_S = 5.0
+KV_STATS_INTERVAL_S = 0.1  # how often the engine thread refreshes the KV stats snapshot that capacity reports read
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Engine:
         self._decode_rate = _RateWindow()
         self._prefill_rate = _RateWindow()
         self._prompt_tokens_window = collections.deque()  # (now_s, prompt_tokens, cached_tokens)
+        self._kv_stats: dict[str, float] = self.scheduler.kv.stats_snapshot()
+        self._kv_stats_at_s = time.monotonic()
 
     def add(self, request_id: str, msg: Generate, tier_priority: int = 0, received_s: float | None = None) -> None:
         """Queue a request under ``request_id`` (unique in this worker).
@@ -94,6 +97,7 @@ class Engine:
             tier=msg.tier,
             tier_priority=tier_priority,
             cache_ttl_s=msg.cache_ttl_s,
+            cache_key=msg.cache_key,
         )
         self._arrival_s[request_id] = time.monotonic() if received_s is None else received_s
         self.scheduler.add(seq)
@@ -107,17 +111,23 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepResult:
-        """Run one step: schedule, run the model, sample, update the scheduler."""
+        """Run one step: apply KV pressure, schedule, run the model, sample, update the scheduler."""
         start_s = time.monotonic()
+        kv = self.scheduler.kv
+        kv.update_pressure()
         out = self.scheduler.schedule()
         if not out.scheduled:
             events = self.scheduler.update_from_output(out, {})
+            self._refresh_kv_stats(time.monotonic())
             return StepResult(events=events, step_time_s=time.monotonic() - start_s)
         num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
         num_prefill = sum(s.num_new_tokens for s in out.scheduled) - num_decode
+        run_start_s = time.perf_counter()
         sampled = self.runner.run(out)
+        kv.observe_prefill(num_prefill, num_decode, time.perf_counter() - run_start_s)
         events = self.scheduler.update_from_output(out, sampled)
         end_s = time.monotonic()
+        self._refresh_kv_stats(end_s)
         step_time_s = end_s - start_s
         self._decode_rate.add(end_s, num_decode, step_time_s)
         self._prefill_rate.add(end_s, num_prefill, step_time_s)
@@ -133,6 +143,15 @@ class Engine:
         while self._prompt_tokens_window and self._prompt_tokens_window[0][0] < end_s - 60.0:
             self._prompt_tokens_window.popleft()
         return result
+
+    def _refresh_kv_stats(self, now_s: float) -> None:
+        if now_s - self._kv_stats_at_s >= KV_STATS_INTERVAL_S:
+            self._kv_stats = self.scheduler.kv.stats_snapshot()
+            self._kv_stats_at_s = now_s
+
+    def kv_stats(self) -> dict[str, float]:
+        """The latest ``Capacity.kv_stats`` snapshot (made in the engine thread; safe to read from another)."""
+        return self._kv_stats
 
     def decode_tokens_per_s(self) -> float:
         return self._decode_rate.tokens_per_s()

@@ -46,7 +46,10 @@ class Sequence:
         ignore_eos: never stop on a token (benchmarks).
         tier: admission tier label, carried into the eviction metadata of its blocks.
         tier_priority: larger is admitted first and preempted last.
-        cache_ttl_s: requested KV retention after the request ends, seconds; 0 means no expiry.
+        cache_ttl_s: requested KV retention after the request ends, seconds; 0 = the worker's default
+            (``kv.default_cache_ttl_s``). The KV manager bounds it by ``kv.max_cache_ttl_s`` (and per tier).
+        cache_key: the request's session / prompt cache key ("" = none); informational (logs), the chain hash
+            already identifies the shared prefix.
         arrival_s: arrival time on ``time.monotonic()``, seconds; breaks ties within a tier.
         num_computed_tokens: leading tokens whose K/V are in the pool.
         num_cached_tokens: prompt tokens served by the prefix cache at the first admission.
@@ -63,6 +66,7 @@ class Sequence:
     tier: str = "standard"
     tier_priority: int = 0
     cache_ttl_s: float = 0.0
+    cache_key: str = ""
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

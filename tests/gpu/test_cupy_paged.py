@@ -48,9 +48,11 @@ def _case(
     for s, n in enumerate(blocks_per_seq):
         tables[s, :n] = ids[start : start + n]
         start += n
-    q = torch.randn((len(context_lens), num_heads, head_dim), generator=gen).to(DEVICE, dtype)
-    k = torch.randn((num_blocks, num_kv_heads, block_size, head_dim), generator=gen).to(DEVICE, dtype)
-    v = torch.randn((num_blocks, num_kv_heads, block_size, head_dim), generator=gen).to(DEVICE, dtype)
+    cuda_gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn((len(context_lens), num_heads, head_dim), generator=cuda_gen, device=DEVICE, dtype=dtype)
+    pool_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k = torch.randn(pool_shape, generator=cuda_gen, device=DEVICE, dtype=dtype)
+    v = torch.randn(pool_shape, generator=cuda_gen, device=DEVICE, dtype=dtype)
     return q, k, v, tables.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
 
 

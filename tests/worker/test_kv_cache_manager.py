@@ -24,8 +24,8 @@ def make_manager(num_blocks: int = 8, **kwargs) -> KVCacheManager:
 
 def admit(kv: KVCacheManager, seq: Sequence) -> list[int] | None:
     """Admit ``seq`` with its whole remaining prompt, as the scheduler does with an unlimited budget."""
-    hit_blocks, num_hit = kv.get_computed_blocks(seq)
-    if kv.allocate_slots(seq, seq.num_tokens - num_hit, hit_blocks) is None:
+    num_hit = kv.admit(seq, max_new_tokens=10**9)
+    if num_hit is None:
         return None
     seq.num_computed_tokens = num_hit
     seq.num_cached_tokens = num_hit
@@ -183,3 +183,84 @@ def test_prefix_counters_count_first_admissions_in_tokens():
     kv.free(b)  # idempotent
     check_accounting(kv)
     assert kv.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------- retention (issue 4)
+
+
+def test_retention_wish_is_bounded_by_config_and_tier_and_default_applies():
+    from shared.config import KVConfig
+
+    clock = FakeClock()
+    config = KVConfig(default_cache_ttl_s=50.0, max_cache_ttl_s=600.0, max_cache_ttl_s_by_tier={"free": 20.0})
+    kv = make_manager(16, clock=clock, config=config)
+    cases = {"wish": ("standard", 300.0, 400.0), "capped": ("standard", 9000.0, 700.0),
+             "tier": ("free", 300.0, 120.0), "default": ("standard", 0.0, 150.0)}
+    for request_id, (tier, ttl_s, _) in cases.items():
+        seq = Sequence(request_id, [hash(request_id) % 1000 + i for i in range(4)] + [1], tier=tier,
+                       cache_ttl_s=ttl_s)
+        table = admit(kv, seq)
+        compute(kv, seq)
+        kv.free(seq)
+        assert kv.pool.meta(table[0]).expires_at_s == cases[request_id][2]
+
+
+def test_free_stamps_what_the_sluice_policy_classifies_by():
+    kv = make_manager(16)
+    first = Sequence("a", list(range(8)))
+    admit(kv, first)
+    compute(kv, first)
+    kv.free(first)
+    seq = Sequence("b", list(range(8)) + [50, 51, 52, 53, 54, 55])  # 14 prompt tokens: blocks 0, 1 hit; 3 partial
+    table = admit(kv, seq)
+    compute(kv, seq)
+    for token in (60, 61):  # fill block 3 (prompt tokens 12, 13 + outputs 14, 15)
+        seq.output_token_ids.append(token)
+        kv.allocate_slots(seq, 1)
+        compute(kv, seq)
+    table = kv.get_block_ids("b")
+    kv.free(seq)
+    metas = [kv.pool.meta(b) for b in table]
+    assert [m.is_partial for m in metas] == [False, False, False, True]
+    assert {(m.num_request_blocks, m.num_request_cached_blocks) for m in metas} == {(4, 2)}
+    assert all(m.cached_at_s == 100.0 for m in metas)
+
+
+def test_pressure_switches_policy_shortens_retention_and_stops_caching_low_tiers():
+    from shared.config import KVConfig
+
+    clock = FakeClock()
+    kv = make_manager(8, clock=clock, config=KVConfig(), eviction_policy="lru")
+    kv.set_pressure("critical")  # default retention: tier policy, 60 s max, top tiers only, no caching below 1
+    assert kv.pool.policy.name == "tier" and kv.stats.get("pressure_switches_total", level="critical") == 1
+    batch = Sequence("batch", list(range(8)) + [1], tier="batch", tier_priority=0, cache_ttl_s=600.0)
+    admit(kv, batch)
+    compute(kv, batch)
+    assert kv.num_cached_blocks == 0 and kv.pool.meta(kv.get_block_ids("batch")[0]) is None  # no-cache mode
+    kv.free(batch)
+    vip = Sequence("vip", list(range(20, 28)) + [1], tier="vip", tier_priority=3, cache_ttl_s=600.0)
+    free_tier = Sequence("free", list(range(40, 48)) + [1], tier="free", tier_priority=1, cache_ttl_s=600.0)
+    for seq in (vip, free_tier):
+        admit(kv, seq)
+        compute(kv, seq)
+        kv.free(seq)
+    assert kv.pool.meta(kv.prefix_cache.get(kv._hashes(vip, vip.all_token_ids, 1)[0], None, range(20, 24))) \
+        .expires_at_s == 160.0  # 600 s × 0.25 capped at 60 s
+    kv.set_pressure("normal")
+    assert kv.pool.policy.name == "lru" and kv.num_cached_blocks == 4  # blocks handed back, none lost
+    check_accounting(kv)
+
+
+def test_used_block_fraction_drives_pressure_with_hysteresis():
+    kv = make_manager(20)
+    seqs = [Sequence(f"s{i}", [i * 100 + t for t in range(4)]) for i in range(20)]
+    levels = []
+    for seq in seqs:
+        admit(kv, seq)
+        levels.append(kv.update_pressure())
+    assert levels[16] == "elevated" and levels[18] == "critical" and levels[15] == "normal"  # 17/20, 19/20
+    for seq in seqs[:2]:
+        kv.free(seq)
+    assert kv.update_pressure() == "critical"  # 18/20 = 0.9: not below leave 0.9
+    kv.free(seqs[2])
+    assert kv.update_pressure() == "elevated"  # 17/20 < 0.9 but >= 0.75

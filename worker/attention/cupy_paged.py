@@ -85,6 +85,19 @@ def compile_options(dtype_name: str, head_dim: int, block_size: int) -> tuple[st
 
 
 @functools.lru_cache(maxsize=None)
+def _cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(stream_ptr: int, device_index: int) -> Any:
+    """CuPy's view of a torch stream (cached: one per stream; torch keeps its streams alive)."""
+    import cupy
+
+    return cupy.cuda.ExternalStream(stream_ptr, device_index)
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel_source() -> str:
     return KERNEL_SOURCE_PATH.read_text()
 
@@ -231,7 +244,7 @@ def paged_decode_attention(
         raise ValueError(
             f"block_tables has {block_tables.shape[1]} columns of {block_size} tokens, contexts need {max_context_len}"
         )
-    if importlib.util.find_spec("cupy") is None:
+    if not _cupy_installed():
         raise KernelUnavailableError("CuPy is not installed: pip install 'sluice[cuda]' (cupy-cuda13x)")
     import cupy
 
@@ -246,8 +259,7 @@ def paged_decode_attention(
     partial_out, partial_stats = allocate_partials(q, plan)
     launch = build_launch(q, k_cache, v_cache, block_tables, context_lens, scale, plan, out, partial_out, partial_stats)
     with cupy.cuda.Device(device_index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream, device_index)
-        with stream:
+        with _external_stream(torch.cuda.current_stream(q.device).cuda_stream, device_index):
             if launch.reduce_grid is None:
                 single_kernel(launch.grid, launch.block, launch.decode_args)
             else:

@@ -19,6 +19,7 @@ Merging states over disjoint tokens (warps of a CTA, then partitions)::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -109,6 +110,7 @@ class PartitionPlan:
     partition_tokens: int
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_partitions(
     max_context_len: int,
     num_base_ctas: int,
@@ -133,7 +135,8 @@ def plan_partitions(
         min_partition_tokens: shortest partition worth a CTA.
 
     Returns:
-        The plan; one partition (covering the longest context) when splitting does not pay.
+        The plan; one partition (covering the longest context) when splitting does not pay. Cached: every layer
+        of a step asks with the same numbers.
     """
     blocks_total = max(1, math.ceil(max_context_len / block_size))
     single = PartitionPlan(1, blocks_total * block_size)
@@ -141,6 +144,8 @@ def plan_partitions(
     max_parts = min(MAX_PARTITIONS, blocks_total // min_blocks)
     if max_parts <= 1 or num_base_ctas <= 0 or num_ctas_resident <= 0:
         return single
+    # Past two waves of CTAs a larger split only adds per-CTA overhead: no need to look further.
+    max_parts = min(max_parts, max(2, math.ceil(2 * num_ctas_resident / num_base_ctas)))
     def cost(parts: int) -> tuple[float, PartitionPlan]:
         blocks_per_part = math.ceil(blocks_total / parts)
         parts_used = math.ceil(blocks_total / blocks_per_part)

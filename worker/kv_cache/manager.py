@@ -325,6 +325,11 @@ class KVCacheManager:
         self.pool.set_policy(policy)
         self.stats.add("pressure_switches_total", 1, level=level)
 
+    def observe_prefill(self, num_prefill_tokens: int, num_decode_tokens: int, elapsed_s: float) -> None:
+        """Feed one model step to the cost model's prefill rate (steps that are mostly prefill only)."""
+        if self.offload is not None and num_prefill_tokens >= max(1, 4 * num_decode_tokens):
+            self.offload.cost.observe_prefill(num_prefill_tokens, elapsed_s)
+
     def stats_snapshot(self) -> dict[str, float]:
         """Return ``Capacity.kv_stats`` (see :class:`worker.kv_cache.stats.KVStats` for the keys)."""
         if self.offload is not None:

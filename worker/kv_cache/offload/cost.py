@@ -33,11 +33,23 @@ class CostModel:
         self._bandwidth = dict(bandwidth_bytes_per_s)
         self._prefill_rate = prefill_tokens_per_s
         self._measured: set[str] = set()
+        self._frozen = False
         self.smoothing = smoothing
+
+    def freeze(self, prefill_tokens_per_s: float | None = None,
+               bandwidth_bytes_per_s: dict[str, float] | None = None) -> None:
+        """Pin the estimates to the given values and ignore measurements from now on (benchmarks, and tests that
+        pin a decision)."""
+        if prefill_tokens_per_s is not None:
+            self._prefill_rate = prefill_tokens_per_s
+        self._bandwidth.update(bandwidth_bytes_per_s or {})
+        self._frozen = True
 
     # ------------------------------------------------------------------ measurements
 
     def _update(self, name: str, old: float, sample: float) -> float:
+        if self._frozen:
+            return old
         if name not in self._measured:
             self._measured.add(name)
             return sample

@@ -1,0 +1,244 @@
+"""Offload tiers (host RAM, disk, Redis), the chain between them and the pool, and the reload/swap cost model.
+
+Block data moves through the real :class:`KVBlockIO` over a small KV tensor; Redis is the real server at
+127.0.0.1:6379 (``make redis`` starts it), each test in its own key namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from shared.config import KVConfig
+from worker.kv_cache.offload.base import OffloadedBlock
+from worker.kv_cache.offload.chain import OffloadChain, build_offload_chain
+from worker.kv_cache.offload.cost import CostModel
+from worker.kv_cache.offload.disk import DiskTier
+from worker.kv_cache.offload.host import HostTier
+from worker.kv_cache.offload.redis_tier import RedisTier, redis_key_prefix
+from worker.kv_cache.stats import KVStats
+from worker.model_runner import KVBlockIO
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NUM_LAYERS, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM = 2, 8, 2, 4, 8
+BLOCK_BYTES = NUM_LAYERS * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def block(block_hash: int, fill: int = 0, expires_at_s: float = float("inf")) -> OffloadedBlock:
+    data = torch.full((BLOCK_BYTES,), fill % 256, dtype=torch.uint8)
+    return OffloadedBlock(block_hash, block_hash - 1, tuple(range(block_hash, block_hash + BLOCK_SIZE)), data,
+                          expires_at_s)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed once the socket is: nothing listens there
+
+
+@pytest.fixture
+def redis_client():
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def model_id(redis_client):
+    model_id = f"test-{uuid.uuid4().hex[:8]}"
+    yield model_id
+    for key in redis_client.scan_iter(match=redis_key_prefix(model_id, "float32") + "*"):
+        redis_client.delete(key)
+
+
+# ---------------------------------------------------------------- KVBlockIO
+
+
+def test_block_io_round_trips_one_block_slice_of_the_pool():
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    assert io.block_bytes == BLOCK_BYTES
+    data = io.read_block(3).clone()
+    io.write_block(5, data)
+    assert torch.equal(kv[:, :, 5], kv[:, :, 3])
+    assert not torch.equal(kv[:, :, 4], kv[:, :, 3])
+    with pytest.raises(ValueError, match="bytes"):
+        io.write_block(1, data[:-4])
+
+
+# ---------------------------------------------------------------- bounds and demotion
+
+
+def test_host_tier_never_exceeds_its_size_and_demotes_lru_to_disk(tmp_path):
+    stats = KVStats()
+    disk = DiskTier(3 * BLOCK_BYTES, str(tmp_path), stats=stats)
+    host = HostTier(2 * BLOCK_BYTES + 100, BLOCK_BYTES, stats=stats, lower=disk)
+    assert host.capacity_bytes == 2 * BLOCK_BYTES  # whole blocks only
+    for i in range(1, 8):
+        assert host.put(block(10 * i, fill=i))
+        assert host.used_bytes <= host.capacity_bytes and disk.used_bytes <= disk.capacity_bytes
+    assert [host.contains(10 * i) for i in range(1, 8)] == [False] * 5 + [True] * 2
+    assert [disk.contains(10 * i) for i in range(1, 8)] == [False, False, True, True, True, False, False]
+    files = os.listdir(disk.folder)
+    assert len(files) == 3
+    assert sum(os.path.getsize(os.path.join(disk.folder, f)) for f in files) < 3 * BLOCK_BYTES + 3 * 200
+    got = disk.get(40)
+    assert got.token_ids == tuple(range(40, 44)) and got.parent_hash == 39
+    assert torch.equal(got.data, torch.full((BLOCK_BYTES,), 4, dtype=torch.uint8))
+    assert stats.get("offload_evicted_blocks", tier="host") == 5
+    assert stats.get("offload_evicted_blocks", tier="disk") == 2
+    disk.close()
+    assert not os.path.exists(disk.folder)
+
+
+def test_recently_used_blocks_stay_and_expired_blocks_are_never_served(tmp_path):
+    clock = FakeClock()
+    host = HostTier(2 * BLOCK_BYTES, BLOCK_BYTES, clock=clock)
+    host.put(block(1))
+    host.put(block(2, expires_at_s=110.0))
+    host.get(1)  # 1 is now the most recent: 2 goes first
+    host.put(block(3))
+    assert (host.contains(1), host.contains(2), host.contains(3)) == (True, False, True)
+    host.put(block(4, expires_at_s=105.0))  # evicts 1 (LRU)
+    clock.now_s = 106.0
+    assert host.get(4) is None and host.contains(3)
+    assert not host.put(block(5, expires_at_s=106.0))  # already expired: not stored
+    assert host.used_bytes == BLOCK_BYTES
+
+
+def test_disk_tier_rejects_a_corrupted_file(tmp_path):
+    disk = DiskTier(4 * BLOCK_BYTES, str(tmp_path))
+    disk.put(block(7, fill=9))
+    path = os.path.join(disk.folder, f"{7:016x}.kv")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    assert disk.get(7) is None and not disk.contains(7) and disk.used_bytes == 0
+
+
+def test_chain_reload_verifies_token_ids_so_no_other_conversation_is_served(tmp_path):
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    chain = build_offload_chain(KVConfig(host_cache_gib=1e-3, disk_cache_gib=0, swap_space_gib=0), io, "m",
+                                "float32")
+    original = kv[:, :, 2].clone()
+    assert chain.demote(2, block_hash=77, parent_hash=None, token_ids=[1, 2, 3, 4], expires_at_s=float("inf"))
+    kv[:, :, 2].zero_()
+    assert chain.find([77, 78], 0) == ["host"]
+    assert not chain.load("host", 6, 77, None, [1, 2, 3, 5])  # same hash, other tokens: a collision, refused
+    assert chain.stats.get("reload_verify_failures_total") == 1
+    assert chain.find([77], 0) == []  # the suspicious block is gone
+    assert chain.demote(0, block_hash=77, parent_hash=None, token_ids=[1, 2, 3, 4], expires_at_s=float("inf"))
+    assert chain.load("host", 6, 77, None, [1, 2, 3, 4])
+    assert torch.equal(kv[:, :, 6], kv[:, :, 0])
+    assert not torch.equal(kv[:, :, 6], original)  # block 0's content, as demoted under that hash
+    assert chain.stats.get("reloaded_bytes", tier="host") == BLOCK_BYTES
+
+
+# ---------------------------------------------------------------- Redis
+
+
+def test_redis_tier_round_trip_key_layout_ttl_and_size_cap(redis_client, model_id):
+    stats = KVStats()
+    tier = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, capacity_bytes=3 * BLOCK_BYTES, ttl_s=60.0,
+                     stats=stats)
+    for i in range(1, 7):
+        assert tier.put(block(1000 + i, fill=i))
+        assert tier.used_bytes <= tier.capacity_bytes
+    keys = sorted(k.decode() for k in redis_client.scan_iter(match=redis_key_prefix(model_id, "float32") + "*"))
+    assert keys == [f"sluice:kv:{model_id}:float32:{1000 + i:016x}" for i in (4, 5, 6)]
+    assert sum(redis_client.strlen(k) for k in keys) < 3 * BLOCK_BYTES + 3 * 100  # data + small header
+    assert 0 < redis_client.pttl(keys[0]) <= 60_000
+    assert tier.contains_many([1004, 1001, 1006]) == [True, False, True]
+    got = tier.get(1005)
+    assert got.token_ids == tuple(range(1005, 1009)) and got.parent_hash == 1004
+    assert torch.equal(got.data, torch.full((BLOCK_BYTES,), 5, dtype=torch.uint8))
+    # another worker on the same model reads it; another dtype or model never does
+    other = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, capacity_bytes=BLOCK_BYTES)
+    assert other.get(1005) is not None
+    assert RedisTier(REDIS_URL, model_id, "bfloat16", BLOCK_BYTES, BLOCK_BYTES).get(1005) is None
+    assert stats.get("redis_errors_total") == 0
+
+
+def test_redis_ttl_follows_a_shorter_block_retention(redis_client, model_id):
+    clock = FakeClock()
+    tier = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, ttl_s=3600.0, clock=clock)
+    tier.put(block(5, expires_at_s=clock.now_s + 2.0))
+    assert 0 < redis_client.pttl(tier.key(5)) <= 2000
+
+
+def test_redis_down_is_logged_once_counted_and_never_raises():
+    stats = KVStats()
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    tier = RedisTier(url, "m", "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, timeout_s=0.2, retry_s=0.0, stats=stats)
+    with capture_logs() as logs:
+        assert not tier.put(block(1))
+        assert tier.contains_many([1, 2]) == [False, False]
+        assert tier.get(1) is None
+    assert stats.get("redis_errors_total") == 3
+    assert stats.snapshot()["redis_up"] == 0.0
+    assert [entry["event"] for entry in logs] == ["kv_redis_unavailable"]
+    assert logs[0]["fallback"] == "recompute"
+    backoff = RedisTier(url, "m", "float32", BLOCK_BYTES, BLOCK_BYTES, timeout_s=0.2, retry_s=60.0, stats=KVStats())
+    backoff.contains(1)
+    backoff.contains(1)
+    assert backoff.stats.get("redis_errors_total") == 1  # no call while marked down
+
+
+# ---------------------------------------------------------------- cost model
+
+
+def test_cost_model_reloads_when_transfer_beats_recompute_and_recomputes_otherwise():
+    block_bytes, block_size = 1_000_000, 16
+    cost = CostModel({"host": 10e9, "disk": 1e9, "redis": 0.1e9}, prefill_tokens_per_s=1000.0)
+    # recompute 16 tokens = 16 ms; host 0.1 ms, disk 1 ms, redis 10 ms per block: everything reloads
+    assert cost.num_blocks_to_reload(["host", "disk", "redis"], block_bytes, block_size) == 3
+    cost.freeze(prefill_tokens_per_s=100_000.0)  # a GPU: 16 tokens = 0.16 ms
+    assert cost.num_blocks_to_reload(["host", "host"], block_bytes, block_size) == 2  # 0.1 ms < 0.16 ms
+    assert cost.num_blocks_to_reload(["disk", "redis"], block_bytes, block_size) == 0
+    # a slow block in the middle is paid for by the fast ones behind it only when they save more
+    assert cost.num_blocks_to_reload(["host", "disk", "host", "host"], block_bytes, block_size) == 1
+    cost.freeze(bandwidth_bytes_per_s={"disk": 4e9})  # disk 0.25 ms: -0.06 + 0.09 - 0.06 - 0.06 < -0.06
+    assert cost.num_blocks_to_reload(["host", "disk", "host", "host"], block_bytes, block_size) == 4
+
+
+def test_cost_model_swap_or_recompute_and_measurements_replace_the_initial_estimate():
+    cost = CostModel({"host": 1e9}, prefill_tokens_per_s=1000.0)
+    assert cost.prefers_swap(num_blocks=4, block_bytes=1_000_000, num_computed_tokens=64)  # 8 ms < 64 ms
+    assert not cost.prefers_swap(num_blocks=4, block_bytes=1_000_000, num_computed_tokens=4)  # 8 ms > 4 ms
+    cost.observe_prefill(50_000, 1.0)
+    assert cost.prefill_tokens_per_s == 50_000.0  # the first measurement replaces the guess
+    cost.observe_prefill(100_000, 1.0)
+    assert cost.prefill_tokens_per_s == pytest.approx(60_000.0)  # then a moving average (weight 0.2)
+    cost.observe_transfer("host", 2_000_000_000, 1.0)
+    assert cost.bandwidth_bytes_per_s("host") == 2e9
+    assert not cost.prefers_swap(num_blocks=4, block_bytes=1_000_000, num_computed_tokens=64)  # 4 ms > 1.1 ms
+
+
+def test_chain_skips_tiers_of_size_zero_and_links_the_rest(tmp_path):
+    io = KVBlockIO(torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM))
+    config = KVConfig(host_cache_gib=0, disk_cache_gib=1e-3, disk_cache_dir=str(tmp_path), swap_space_gib=0)
+    chain = build_offload_chain(config, io, "m", "float32")
+    assert [t.name for t in chain.tiers] == ["disk"] and chain.swap is None
+    chain.close()
+    both = build_offload_chain(KVConfig(disk_cache_dir=str(tmp_path)), io, "m", "float32")
+    assert [t.name for t in both.tiers] == ["host", "disk"] and both.tiers[0].lower is both.tiers[1]
+    assert isinstance(both, OffloadChain) and both.swap is not None
+    both.close()

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from gateway.tiers import Principal
 
 ANONYMOUS_KEY = "anonymous"
+NO_WORKER_RETRY_AFTER_S = 1.0
 # Weight of one finished request in the running mean of (completion tokens ÷ max_tokens).
 _OUTPUT_FRACTION_EWMA_WEIGHT = 0.05
 
@@ -82,9 +83,12 @@ class CapacityView(Protocol):
     Every method is synchronous and cheap: admission calls them on the event loop while dispatching.
     """
 
-    def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int]) -> object | None:
+    def try_reserve(
+        self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None
+    ) -> object | None:
         """Pick a worker (closed breaker, ``demand_blocks`` KV blocks free, running < max_num_seqs; route by
-        cached prefix, then most free KV) and hold ``demand_blocks`` on it until :meth:`release`.
+        cached prefix, then most free KV) and hold ``demand_blocks`` on it until :meth:`release`. ``avoid`` names
+        a worker to skip while another one could serve (a retry goes elsewhere).
 
         Returns:
             An opaque reservation naming the worker, or None when no worker has room now.
@@ -133,6 +137,7 @@ class Ticket:
         enqueued_s, deadline_s, admitted_s: clock times, None until they happen.
         reservation: the capacity view's reservation once admitted.
         state: see :class:`TicketState`.
+        avoid: a worker the capacity view should skip when another can serve (the worker a retry left).
         expected_work_tokens: prompt + the output expected from the measured fraction of ``max_tokens`` used, in
             tokens: what this request adds to the predicted wait of those behind it.
     """
@@ -151,6 +156,7 @@ class Ticket:
     admitted_s: float | None = None
     reservation: object | None = None
     state: TicketState = TicketState.NEW
+    avoid: object | None = None
     expected_work_tokens: float = 0.0
     _future: asyncio.Future[object] | None = field(default=None, repr=False)
 
@@ -299,6 +305,7 @@ class AdmissionController:
         rate_limit_key: str = ANONYMOUS_KEY,
         rpm_limit: int = 0,
         tpm_limit: int = 0,
+        avoid: object | None = None,
     ) -> Ticket:
         """Make the admission ticket of one request.
 
@@ -307,6 +314,7 @@ class AdmissionController:
             prompt_token_ids: the tokenized prompt.
             max_tokens: the capped output budget in tokens (``gateway.caps``), ≥ 1.
             rate_limit_key, rpm_limit, tpm_limit: the API key's identity and per-minute limits (0 = unlimited).
+            avoid: a worker to skip when another can serve (a retry after a failure before the first byte).
 
         Raises:
             KeyError: unknown tier (a bug: tiers are resolved before).
@@ -324,6 +332,7 @@ class AdmissionController:
             rpm_limit=rpm_limit if self._enabled else 0,
             tpm_limit=tpm_limit if self._enabled else 0,
             arrival_s=self._clock(),
+            avoid=avoid,
         )
         ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self._output_fraction
         return ticket
@@ -489,7 +498,11 @@ class AdmissionController:
                 ticket, queue, ErrorCode.DRAINING, "The server is shutting down; retry on another instance."
             )
         if self._view.total_kv_blocks() <= 0:
-            self._reject_at_arrival(ticket, queue, ErrorCode.NO_WORKER, "No worker is available to serve the request.")
+            # No rate to measure without a worker: retry after about one worker reconnect / restart backoff.
+            self._reject_at_arrival(
+                ticket, queue, ErrorCode.NO_WORKER, "No worker is available to serve the request.",
+                NO_WORKER_RETRY_AFTER_S,
+            )
         if self._enabled and self.pressure.sheds(ticket.tier.name):
             self._reject_at_arrival(
                 ticket,
@@ -607,7 +620,9 @@ class AdmissionController:
             if not self._fits_reserved_shares(best):
                 held_back_tiers.add(best.tier.name)
                 continue
-            reservation = self._view.try_reserve(best.demand_blocks, best.tier.name, best.prompt_token_ids)
+            reservation = self._view.try_reserve(
+                best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid
+            )
             if reservation is None:
                 return  # strict order: nobody jumps ahead of the request that should go next
             self._grant(best, reservation, now_s)

@@ -50,8 +50,8 @@ class CapDecision:
 
     Attributes:
         max_tokens: output tokens per choice to send to the worker (≥ 1).
-        limited_by: ``request``, ``tier_default``, ``tier_max``, ``server_cap``, ``pressure`` or ``context``:
-            when it is not ``request``/``tier_default`` the answer may end with ``finish_reason == "length"``
+        limited_by: ``request``, ``tier_default``, ``server_default``, ``tier_max``, ``server_cap``, ``pressure``
+            or ``context``: when it is not ``request``/``tier_default``/``server_default`` the answer may end with ``finish_reason == "length"``
             earlier than the client asked.
     """
 
@@ -62,9 +62,10 @@ class CapDecision:
 class OutputCapper:
     """Cap output length per tier and pressure level (DESIGN.md step 4; BC20).
 
-    effective ``max_tokens`` = min(request or tier default, tier max, server-wide ``gateway.max_tokens_cap``,
-    the pressure level's cap for the tier, context − prompt). A missing or null request gets the tier default,
-    which is capped too; a request below 1 is a 400, never "unset".
+    effective ``max_tokens`` = min(request or default, tier max, server-wide ``gateway.max_tokens_cap``,
+    the pressure level's cap for the tier, context − prompt). A missing or null request gets the default — the
+    tier's ``default_max_tokens``, no more than the server-wide ``gateway.default_max_tokens`` — which is capped
+    too; a request below 1 is a 400, never "unset".
 
     With ``admission.enabled = false`` (benchmark baseline) only the server-wide cap and the context hold, and the
     default is ``gateway.default_max_tokens``.
@@ -86,6 +87,7 @@ class OutputCapper:
         prompt_tokens: int,
         param: str = "max_tokens",
         prompt_param: str = "messages",
+        max_model_len_tokens: int | None = None,
     ) -> CapDecision:
         """Return the effective output budget of one request.
 
@@ -95,6 +97,8 @@ class OutputCapper:
             prompt_tokens: prompt length in tokens.
             param: the request field the value came from, named in a 400.
             prompt_param: the request field named in a context error (``messages`` or ``prompt``).
+            max_model_len_tokens: the context length in tokens; None = ``model.max_model_len_tokens`` (the gateway
+                passes the lower of that and what its workers announce).
 
         Raises:
             SluiceError: ``invalid_value`` (400) for a request below 1; ``context_length_exceeded`` (400) when the
@@ -107,11 +111,12 @@ class OutputCapper:
                 param=param,
             )
         gateway = self._config.gateway
-        room_tokens = self._config.model.max_model_len_tokens - prompt_tokens
+        context_tokens = self._config.model.max_model_len_tokens if max_model_len_tokens is None else max_model_len_tokens
+        room_tokens = context_tokens - prompt_tokens
         if room_tokens < 1:
             # Reuse the plain function's message for the context error.
             effective_max_tokens(
-                requested_tokens, prompt_tokens, self._config.model.max_model_len_tokens, gateway.max_tokens_cap,
+                requested_tokens, prompt_tokens, context_tokens, gateway.max_tokens_cap,
                 gateway.default_max_tokens, prompt_param,
             )
         limits: list[tuple[int, str]] = []
@@ -124,6 +129,7 @@ class OutputCapper:
                 raise KeyError(f"unknown tier {tier!r}; tiers are {sorted(self._tiers)}")
             if requested_tokens is None:
                 limits.append((tier_config.default_max_tokens, "tier_default"))
+                limits.append((gateway.default_max_tokens, "server_default"))
             else:
                 limits.append((requested_tokens, "request"))
             limits.append((tier_config.max_tokens, "tier_max"))

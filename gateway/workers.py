@@ -2,25 +2,39 @@
 
 ::
 
-    WorkerPool ── choose() ──▶ WorkerClient ── Generate/Abort frames ──▶ worker
-                                   │ reader task: Hello, Capacity, TokenDelta, Finished, Failed
-                                   ▼
-                   RequestStream (one per request id; coalesces token ids, bounded by max_tokens)
+    AdmissionController ── try_reserve() ──▶ WorkerPool ──▶ Reservation(worker) ──▶ WorkerClient ── frames ──▶ worker
+                                                                                     │ reader task: Hello, Capacity,
+                                                                                     ▼ TokenDelta, Finished, Failed
+                                RequestStream (one per request id; coalesces token ids, bounded by max_tokens)
 
 A :class:`WorkerClient` keeps reconnecting to its address (a restarted local worker reappears on the same socket
 path). A connection that dies fails every request in flight on it with ``worker_failed``. A malformed frame closes
 that connection with a logged error, never the process.
+
+:class:`WorkerPool` is the admission controller's :class:`~gateway.admission.CapacityView` (DESIGN.md, step 6):
+a worker may take a request when it is connected, not draining, its circuit breaker lets a request through, it
+runs fewer than ``max_num_seqs`` of this gateway's requests and the KV blocks not yet promised to requests cover
+the new one's demand (prompt + capped output). Among those, the one holding the longest cached prefix of the
+prompt wins (a gateway-side index of the prompt blocks recently sent to each worker; session affinity falls out of
+it), then the one with the most free KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
+import itertools
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Callable
 
 import msgspec
 import structlog
 
+from gateway.breaker import BreakerState, CircuitBreaker
+from shared.config import BreakerConfig
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import (
     Abort,
@@ -39,6 +53,11 @@ log = structlog.get_logger("sluice.gateway")
 
 RECONNECT_INTERVAL_S = 0.2
 CONNECT_TIMEOUT_S = 5.0
+# Prompt-block hashes remembered per worker for prefix-aware routing (about 64 K tokens of 16-token blocks per
+# 4096 entries; oldest forgotten first, like the worker's own LRU prefix cache).
+MAX_PREFIX_HASHES_PER_WORKER = 4096
+# Weight of one finished request in the running mean of its prompt share of the work (prefill vs decode tokens).
+_PROMPT_SHARE_EWMA_WEIGHT = 0.05
 
 
 def _error_code(code: str) -> ErrorCode:
@@ -125,12 +144,20 @@ class WorkerClient:
         address: ``HOST:PORT`` or ``unix:PATH``.
         name: label for logs, metrics and ``/status``.
         on_capacity: called with (name, Capacity) on every capacity report.
+        breaker: this worker's circuit breaker; None = a closed one with the default settings.
     """
 
     def __init__(self, address: str, name: str,
-                 on_capacity: Callable[[str, Capacity], None] | None = None) -> None:
+                 on_capacity: Callable[[str, Capacity], None] | None = None,
+                 breaker: CircuitBreaker | None = None) -> None:
         self.address = address
         self.name = name
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.on_change: Callable[[], None] | None = None  # set by the pool: capacity, status or request end
+        self.num_reserved = 0  # reservations (dispatched or about to be) of this gateway on this worker
+        self.reserved_blocks = 0  # their KV demand in blocks (prompt + capped output each)
+        self.prefix_hashes: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.prompt_share = 0.5  # running mean of prompt ÷ (prompt + completion) tokens of finished requests
         self.hello: Hello | None = None
         self.capacity: Capacity | None = None
         self.capacity_at_s = 0.0
@@ -143,7 +170,6 @@ class WorkerClient:
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
-        self.pending_demand_blocks = 0  # KV demand dispatched since the last capacity report
 
     @property
     def ready(self) -> bool:
@@ -154,6 +180,57 @@ class WorkerClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    @property
+    def backend(self) -> str:
+        """The worker's backend from its Hello (``sim`` names the roofline simulator), or "" before Hello."""
+        return self.hello.backend if self.hello is not None else ""
+
+    @property
+    def block_size_tokens(self) -> int:
+        return self.hello.block_size_tokens if self.hello is not None else 16
+
+    @property
+    def total_kv_blocks(self) -> int:
+        """KV blocks of the worker's pool (0 before Hello)."""
+        if self.capacity is not None:
+            return self.capacity.total_kv_blocks
+        return self.hello.num_kv_blocks if self.hello is not None else 0
+
+    @property
+    def committed_kv_blocks(self) -> int:
+        """KV blocks promised or in use: this gateway's reservations, or the worker's used blocks when more."""
+        used = self.capacity.used_kv_blocks if self.capacity is not None else 0
+        return max(self.reserved_blocks, used)
+
+    def can_take(self, demand_blocks: int) -> bool:
+        """Return whether a request of ``demand_blocks`` KV blocks may be sent now (breaker, seqs, KV)."""
+        if not self.ready or not self.breaker.available() or self.hello is None:
+            return False
+        if self.num_reserved >= self.hello.max_num_seqs:
+            return False
+        return self.total_kv_blocks - self.committed_kv_blocks >= demand_blocks
+
+    def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """Return how many leading prompt blocks were recently sent to this worker (likely in its prefix cache)."""
+        num_blocks = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.prefix_hashes:
+                break
+            num_blocks += 1
+        return num_blocks
+
+    def remember_prefix(self, block_hashes: list[bytes]) -> None:
+        """Record the prompt blocks sent to this worker (most recent last; the oldest are forgotten)."""
+        for block_hash in block_hashes:
+            self.prefix_hashes[block_hash] = None
+            self.prefix_hashes.move_to_end(block_hash)
+        while len(self.prefix_hashes) > MAX_PREFIX_HASHES_PER_WORKER:
+            self.prefix_hashes.popitem(last=False)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def start(self) -> None:
         """Start the connect / read / reconnect loop (owned by this client; :meth:`close` cancels it)."""
@@ -182,27 +259,16 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ requests
 
-    def demand_blocks(self, demand_tokens: int) -> int:
-        """Return the KV blocks ``demand_tokens`` tokens occupy on this worker."""
-        block_size = self.hello.block_size_tokens if self.hello is not None else 16
-        return -(-demand_tokens // block_size)
-
-    def start_request(self, message: Generate, demand_tokens: int = 0) -> RequestStream:
+    def start_request(self, message: Generate) -> RequestStream:
         """Register a stream for ``message.request_id`` and send the ``Generate`` frame.
 
-        Args:
-            message: the request.
-            demand_tokens: prompt + output budget in tokens, counted against the worker's free KV until its next
-                capacity report.
-
         Raises:
-            SluiceError: ``no_worker_available`` when the connection is down.
+            SluiceError: ``worker_failed`` when the connection is down (the request may be retried elsewhere).
         """
         if self._writer is None or self.hello is None:
-            raise SluiceError(ErrorCode.NO_WORKER, f"worker {self.name} is not connected", retry_after_s=1)
+            raise SluiceError(ErrorCode.WORKER_FAILED, f"worker {self.name} is not connected")
         stream = RequestStream(message.request_id, self)
         self._streams[message.request_id] = stream
-        self.pending_demand_blocks += self.demand_blocks(demand_tokens)
         self._writer.write(self._codec.encode(message))
         return stream
 
@@ -267,6 +333,10 @@ class WorkerClient:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream._finish(message)
+                total_tokens = message.prompt_tokens + message.completion_tokens
+                if total_tokens > 0:
+                    share = message.prompt_tokens / total_tokens
+                    self.prompt_share += _PROMPT_SHARE_EWMA_WEIGHT * (share - self.prompt_share)
             case Failed(request_id=request_id, code=code, message=text):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
@@ -274,14 +344,16 @@ class WorkerClient:
             case Capacity():
                 self.capacity = message
                 self.capacity_at_s = time.time()
-                self.pending_demand_blocks = 0
                 if self._on_capacity is not None:
                     self._on_capacity(self.name, message)
+                self._changed()
             case Hello():
                 self.hello = message
                 self._ready.set()
                 log.info("worker_ready", worker=self.name, worker_id=message.worker_id, model=message.model_id,
-                         backend=message.backend, device=message.device, kv_blocks=message.num_kv_blocks)
+                         backend=message.backend, device=message.device, kv_blocks=message.num_kv_blocks,
+                         simulator=message.backend == "sim")
+                self._changed()
             case Pong():
                 pass
 
@@ -296,17 +368,68 @@ class WorkerClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._fail(SluiceError(ErrorCode.WORKER_FAILED, f"worker {self.name} failed: {reason}"))
+        self.prefix_hashes.clear()  # a new process has an empty prefix cache
+        self._changed()
+
+
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size_tokens: int) -> list[bytes]:
+    """Return the chained hashes of the prompt's full blocks (each covers its parent's hash and its token ids).
+
+    The same chaining as the worker's prefix cache (DESIGN.md, KV cache), so equal hashes mean equal prefixes.
+    """
+    hashes: list[bytes] = []
+    parent = b""
+    num_full_blocks = len(prompt_token_ids) // block_size_tokens
+    for block_idx in range(num_full_blocks):
+        tokens = prompt_token_ids[block_idx * block_size_tokens:(block_idx + 1) * block_size_tokens]
+        parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in tokens),
+                                 digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Room held on one worker for one admitted request (one choice), from admission until it ends.
+
+    Attributes:
+        reservation_id: unique per pool.
+        worker: the worker the request goes to.
+        demand_blocks: KV blocks held (prompt + capped output).
+        verdict_given: the breaker heard whether the worker served it (else releasing counts it as abandoned).
+    """
+
+    reservation_id: int
+    worker: WorkerClient
+    demand_blocks: int
+    verdict_given: bool = False
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
 
 class WorkerPool:
-    """The workers this gateway serves from, and the choice of one per request.
+    """The workers this gateway serves from: the admission controller's capacity view and the router.
 
-    Routing (for now): among ready workers, the one with the most free KV blocks after subtracting the demand sent
-    since its last capacity report; ties go to the one with fewer requests in flight.
+    Args:
+        clients: one per worker.
+        on_change: called whenever capacity may have changed (a capacity report, Hello, a lost connection, a
+            released reservation); the app points it at ``AdmissionController.on_capacity_changed``.
     """
 
-    def __init__(self, clients: list[WorkerClient]) -> None:
+    def __init__(self, clients: list[WorkerClient], on_change: Callable[[], None] | None = None) -> None:
         self.clients = clients
+        self._reservation_ids = itertools.count(1)
+        self.on_change = on_change
+        for client in clients:
+            client.on_change = self._changed
+
+    @classmethod
+    def make_breaker(cls, config: BreakerConfig) -> CircuitBreaker:
+        """Return a new breaker with the configured threshold and cooldown."""
+        return CircuitBreaker(config.failure_threshold, config.cooldown_s)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def ready_clients(self) -> list[WorkerClient]:
         return [c for c in self.clients if c.ready]
@@ -320,22 +443,115 @@ class WorkerPool:
         lengths = [c.hello.max_model_len_tokens for c in self.ready_clients() if c.hello is not None]
         return min([configured_tokens, *lengths])
 
-    def choose(self, demand_tokens: int = 0) -> WorkerClient:
-        """Pick the worker for a request needing ``demand_tokens`` tokens of KV (prompt + output budget).
+    # ------------------------------------------------------------------ CapacityView
 
-        Raises:
-            SluiceError: ``no_worker_available`` (503, Retry-After) when no worker is ready.
+    def _serving_clients(self) -> list[WorkerClient]:
+        """Ready workers whose breaker is not open (closed, or half-open and able to probe soon)."""
+        return [c for c in self.ready_clients() if c.breaker.state is not BreakerState.OPEN]
+
+    def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int],
+                    avoid: object | None = None) -> Reservation | None:
+        """Pick a worker for a request and hold ``demand_blocks`` KV blocks and one sequence slot on it.
+
+        Args:
+            demand_blocks: KV blocks the request may need (prompt + capped output).
+            tier: the request's tier (not used for the choice today).
+            prompt_token_ids: the prompt, to find the worker with the longest cached prefix.
+            avoid: a worker (:class:`WorkerClient`) to skip while another ready worker with an available breaker
+                exists: a retry goes to another worker when there is one.
+
+        Returns:
+            The reservation, or None when no worker has room now.
         """
-        best: WorkerClient | None = None
-        best_key: tuple[int, int] | None = None
-        for client in self.ready_clients():
-            free = client.capacity.free_kv_blocks if client.capacity else client.hello.num_kv_blocks
-            key = (free - client.pending_demand_blocks - client.demand_blocks(demand_tokens), -client.num_in_flight)
-            if best_key is None or key > best_key:
-                best, best_key = client, key
-        if best is None:
-            raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready to serve this request", retry_after_s=1)
-        return best
+        candidates = [c for c in self.clients if c.can_take(demand_blocks)]
+        if avoid is not None and any(c is not avoid and c.ready and c.breaker.available() for c in self.clients):
+            candidates = [c for c in candidates if c is not avoid]
+        if not candidates:
+            return None
+        hashes_by_block_size: dict[int, list[bytes]] = {}
+
+        def rank(client: WorkerClient) -> tuple[int, int, int]:
+            block_size = client.block_size_tokens
+            if block_size not in hashes_by_block_size:
+                hashes_by_block_size[block_size] = prompt_block_hashes(prompt_token_ids, block_size)
+            cached = client.cached_prefix_blocks(hashes_by_block_size[block_size])
+            free = client.total_kv_blocks - client.committed_kv_blocks
+            return cached, free, -client.num_reserved
+
+        best = max(candidates, key=rank)
+        if not best.breaker.allow_request():
+            return None
+        best.num_reserved += 1
+        best.reserved_blocks += demand_blocks
+        block_hashes = hashes_by_block_size.get(best.block_size_tokens)
+        if block_hashes is None:
+            block_hashes = prompt_block_hashes(prompt_token_ids, best.block_size_tokens)
+        return Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes)
+
+    def release(self, reservation: object) -> None:
+        """Give back a reservation; a request that ended without a breaker verdict counts as abandoned."""
+        if not isinstance(reservation, Reservation):
+            return
+        worker = reservation.worker
+        worker.num_reserved -= 1
+        worker.reserved_blocks -= reservation.demand_blocks
+        if not reservation.verdict_given:
+            worker.breaker.on_abandoned()
+
+    def total_kv_blocks(self) -> int:
+        """Return the KV blocks of ready workers whose breaker is not open; 0 = no worker can serve."""
+        return sum(c.total_kv_blocks for c in self._serving_clients())
+
+    def block_size_tokens(self) -> int:
+        """Return tokens per KV block (the first ready worker's; 16 before any said Hello)."""
+        ready = self.ready_clients()
+        return ready[0].block_size_tokens if ready else 16
+
+    def drain_rate_tokens_per_s(self) -> float:
+        """Return the rate at which the workers work off prompt + output tokens, summed over serving workers.
+
+        Per worker: prompt tokens go at the measured prefill rate and output tokens at the measured decode rate
+        (both per busy second, from capacity reports), mixed by the prompt share of finished requests:
+        1 ÷ (share ÷ prefill rate + (1 − share) ÷ decode rate). 0.0 when nothing is measured yet.
+        """
+        total = 0.0
+        for client in self._serving_clients():
+            capacity = client.capacity
+            if capacity is None:
+                continue
+            prefill, decode = capacity.prefill_tokens_per_s, capacity.decode_tokens_per_s
+            if prefill > 0 and decode > 0:
+                share = client.prompt_share
+                total += 1.0 / (share / prefill + (1.0 - share) / decode)
+            else:
+                total += decode
+        return total
+
+    def kv_used_fraction(self) -> float:
+        """Return committed ÷ total KV blocks over serving workers (reservations or reported use, the larger)."""
+        clients = self._serving_clients()
+        total = sum(c.total_kv_blocks for c in clients)
+        return sum(min(c.committed_kv_blocks, c.total_kv_blocks) for c in clients) / total if total else 0.0
+
+    # ------------------------------------------------------------------ breaker verdicts and routing memory
+
+    def dispatched(self, reservation: Reservation) -> None:
+        """Remember that the reservation's prompt was sent to its worker (prefix-aware routing)."""
+        reservation.worker.remember_prefix(reservation.block_hashes)
+
+    def record_success(self, reservation: Reservation) -> None:
+        """The worker served the request (first token or a clean answer): tell its breaker once."""
+        if not reservation.verdict_given:
+            reservation.verdict_given = True
+            reservation.worker.breaker.on_success()
+
+    def record_failure(self, reservation: Reservation) -> None:
+        """The worker failed or timed out on the request: count it against its breaker."""
+        reservation.verdict_given = True
+        reservation.worker.breaker.on_failure()
+        self._changed()
+
+    # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         for client in self.clients:
@@ -352,7 +568,12 @@ class WorkerPool:
                 "name": c.name,
                 "address": c.address,
                 "ready": c.ready,
+                "backend": c.backend,
+                "simulator": c.backend == "sim",
+                "breaker": c.breaker.snapshot(),
                 "in_flight": c.num_in_flight,
+                "reservations": c.num_reserved,
+                "reserved_kv_blocks": c.reserved_blocks,
                 "connections": c.num_connections,
                 "hello": msgspec.structs.asdict(c.hello) if c.hello else None,
                 "capacity": msgspec.structs.asdict(c.capacity) if c.capacity else None,

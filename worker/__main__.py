@@ -4,6 +4,7 @@ Usage::
 
     sluice worker --listen 127.0.0.1:9100 [--config config.toml] [--backend cpu|cuda|sim]
     sluice worker --listen unix:/tmp/sluice-worker.sock
+    sluice worker --listen 0.0.0.0:9100 --advertise 10.0.0.5:9100 --registry redis://10.0.0.1:6379/0
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", default=None, help="config.toml (default: $SLUICE_CONFIG or ./config.toml)")
     parser.add_argument("--backend", choices=["auto", "cpu", "cuda", "sim"], default=None)
     parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--registry", default=None, help="redis://… URL: register in the worker registry")
+    parser.add_argument("--advertise", default=None, help="HOST:PORT gateways connect to (default: --listen)")
     return parser.parse_args(argv)
 
 
@@ -149,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
+    advertise = None
+    if args.registry:
+        from worker.registry import WorkerRegistration, resolve_advertise
+
+        try:
+            advertise = resolve_advertise(args.listen, args.advertise)
+        except ConfigError as exc:
+            print(f"sluice worker: {exc}", file=sys.stderr)
+            return 2
     worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     server = build_worker(config, worker_id)
     async def run() -> None:
@@ -157,8 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await server.start(args.listen)
+        registration = None
+        if advertise is not None:
+            registration = WorkerRegistration.from_url(args.registry, server.hello, advertise, config.registry)
+            await registration.start()
         await stop.wait()
         log.info("worker_stopping", worker_id=worker_id)
+        if registration is not None:
+            await registration.close()
         await server.close()
 
     try:

@@ -52,7 +52,9 @@ class FakePool:
         self.reserved: list[tuple[int, int]] = []
         self.tiers_reserved: list[str] = []
 
-    def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int]) -> object | None:
+    def try_reserve(
+        self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None
+    ) -> object | None:
         for i, free in enumerate(self.free_blocks):
             if free >= demand_blocks and self.running[i] < self.max_num_seqs:
                 self.free_blocks[i] -= demand_blocks

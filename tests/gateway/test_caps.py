@@ -41,10 +41,10 @@ PRESSURE = PressureConfig(
 )
 
 
-def make_config(**admission: object) -> Config:
+def make_config(default_max_tokens: int = 2048, **admission: object) -> Config:
     return Config(
         model=ModelConfig(max_model_len_tokens=4096),
-        gateway=GatewayConfig(max_tokens_cap=2048, default_max_tokens=300),
+        gateway=GatewayConfig(max_tokens_cap=2048, default_max_tokens=default_max_tokens),
         tiers=TIERS,
         pressure=PRESSURE,
         admission=AdmissionConfig(**admission),  # type: ignore[arg-type]
@@ -115,9 +115,23 @@ def test_pressure_caps_tighten_with_the_level():
 
 
 def test_admission_disabled_keeps_only_the_server_cap_and_context():
-    capper = OutputCapper(make_config(enabled=False))
+    capper = OutputCapper(make_config(default_max_tokens=300, enabled=False))
     assert capper.cap("free", None, 10).max_tokens == 300  # gateway.default_max_tokens, not the tier's
     assert capper.cap("free", 5000, 10).max_tokens == 2048
+
+
+def test_server_default_bounds_the_tier_default():
+    capper = OutputCapper(make_config(default_max_tokens=300))
+    decision = capper.cap("vip", None, prompt_tokens=10)  # vip's own default is 1024
+    assert decision.max_tokens == 300 and decision.limited_by == "server_default"
+    assert capper.cap("vip", 1000, prompt_tokens=10).max_tokens == 1000  # an explicit request is not bounded by it
+
+
+def test_context_length_from_the_workers_overrides_the_config(capper: OutputCapper):
+    assert capper.cap("vip", 3000, prompt_tokens=10, max_model_len_tokens=1010).max_tokens == 1000
+    with pytest.raises(SluiceError) as info:
+        capper.cap("vip", None, prompt_tokens=1010, max_model_len_tokens=1010)
+    assert info.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
 
 
 def test_plain_function_still_caps_a_missing_request():

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 
-.PHONY: install install-test run test bench loadtest redis clean gpu-check
+.PHONY: install install-test run test bench loadtest redis chromium clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,12 @@ redis:
 			--dir /var/lib/redis --logfile /var/log/redis/ci.log; \
 		for i in $$(seq 1 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done; fi
 
-test: install-test redis
+# Headless Chromium for the status page test (tests/gateway/test_dashboard.py): Debian's package where missing.
+chromium:
+	@if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; fi
+
+test: install-test redis chromium
 	$(PY) -m pytest -q -ra
 
 bench: install-test

@@ -4,6 +4,11 @@ Usage::
 
     sluice serve [--config config.toml] [--host 127.0.0.1] [--port 8000] [--workers N]
     sluice serve --worker-address 10.0.0.5:9100 --worker-address unix:/tmp/w.sock   # connect, don't spawn
+
+Graceful drain: on SIGTERM (or SIGINT) the gateway stops admitting — queued and new requests get 503
+``server_draining`` with ``Retry-After``, ``/readyz`` turns 503 — while requests already running finish, for at
+most ``gateway.drain_timeout_s``; then it closes the listener, cancels what is left, stops its local workers and
+exits 0. A second signal skips the rest of the drain.
 """
 
 from __future__ import annotations
@@ -14,17 +19,19 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import structlog
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.state import GatewayOptions
+from gateway.state import ADMISSION, METRICS, GatewayOptions
 from shared.config import ConfigError, load_config, with_overrides
 
 log = structlog.get_logger("sluice.gateway")
 
-SHUTDOWN_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = 2.0  # after the drain: how long aiohttp waits for handlers before cancelling them
+DRAIN_POLL_INTERVAL_S = 0.05
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,8 +56,31 @@ def configure_logging() -> None:
     )
 
 
+async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) -> int:
+    """Stop admitting and wait until no request is active, ``timeout_s`` passed or ``force`` is set.
+
+    Returns:
+        The number of requests still active when the wait ended (cancelled by the shutdown that follows).
+    """
+    app[ADMISSION].start_draining()
+    metrics = app[METRICS]
+    started_s = time.monotonic()
+    log.info("gateway_draining", active_requests=metrics.num_active_requests, drain_timeout_s=timeout_s)
+    while metrics.num_active_requests > 0 and not force.is_set():
+        left_s = timeout_s - (time.monotonic() - started_s)
+        if left_s <= 0:
+            break
+        try:
+            await asyncio.wait_for(force.wait(), min(DRAIN_POLL_INTERVAL_S, left_s))
+        except TimeoutError:
+            pass
+    log.info("gateway_drained", active_requests=metrics.num_active_requests,
+             drain_s=round(time.monotonic() - started_s, 3))
+    return metrics.num_active_requests
+
+
 async def serve(options: GatewayOptions) -> None:
-    """Run the gateway until SIGINT/SIGTERM, then shut down in order (listener, requests, workers)."""
+    """Run the gateway until SIGINT/SIGTERM, drain, then shut down in order (listener, requests, workers)."""
     config = options.config
     app = build_app(options)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -61,11 +91,16 @@ async def serve(options: GatewayOptions) -> None:
         await site.start()
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port, pid=os.getpid(),
                  model=config.model.name)
-        stop = asyncio.Event()
+        stop, force = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:
+            (force if stop.is_set() else stop).set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         await stop.wait()
+        await drain(app, config.gateway.drain_timeout_s, force)
         log.info("gateway_stopping")
     finally:
         await runner.cleanup()

@@ -430,6 +430,11 @@ class AdmissionController:
         self._observe_pressure()
         self._dispatch()
 
+    @property
+    def draining(self) -> bool:
+        """Return whether :meth:`start_draining` was called."""
+        return self._draining
+
     def start_draining(self) -> None:
         """Stop admitting: shed queued tickets and reject new ones with 503 ``server_draining`` (SIGTERM)."""
         self._draining = True

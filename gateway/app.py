@@ -1,7 +1,9 @@
 """The aiohttp application: routes, the error ladder, and every resource as a ``cleanup_ctx``.
 
 Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
-metrics → tokenizer (thread pool) → workers (connections, then local worker processes).
+metrics → tokenizer (thread pool) → workers (connections, then local worker processes) with the admission
+controller that reads their capacity. The tier resolver and the output capper are built with the app (they only
+read the config), so a bad tiers / keys config fails at start.
 
 The error ladder (one middleware):
 
@@ -20,11 +22,18 @@ from typing import AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from gateway import handlers
+from gateway import dashboard, handlers
+from gateway.admission import AdmissionController
+from gateway.caps import OutputCapper
+from gateway.jobs import setup_jobs
 from gateway.local_workers import LocalWorkerProcess
 from gateway.metrics import Metrics
+from gateway.pressure import PressureMonitor
 from gateway.state import (
+    ADMISSION,
+    CAPPER,
     CONFIG,
+    RESOLVER,
     LOCAL_WORKERS,
     METRICS,
     OPTIONS,
@@ -35,6 +44,7 @@ from gateway.state import (
     TOKENIZER,
     GatewayOptions,
 )
+from gateway.tiers import TierResolver
 from gateway.tokenize import Tokenizer
 from gateway.workers import WorkerClient, WorkerPool
 from shared.config import resolve_model_path
@@ -153,22 +163,29 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     processes: list[LocalWorkerProcess] = []
     if options.worker_addresses:
         for i, address in enumerate(options.worker_addresses):
-            clients.append(WorkerClient(address, f"remote-{i}", metrics.observe_capacity))
+            clients.append(WorkerClient(address, f"remote-{i}", metrics.observe_capacity,
+                                        WorkerPool.make_breaker(config.breaker)))
     elif options.spawn_local_workers:
         for i in range(config.worker.num_local_workers):
-            client = WorkerClient("", f"local-{i}", metrics.observe_capacity)
+            client = WorkerClient("", f"local-{i}", metrics.observe_capacity, WorkerPool.make_breaker(config.breaker))
             process = LocalWorkerProcess(i, client, options.config_path, config.gateway.worker_restart_backoff_s,
                                          config.gateway.worker_start_timeout_s)
             client.address = process.address
             clients.append(client)
             processes.append(process)
     pool = WorkerPool(clients)
+    admission = AdmissionController(config, pool, pressure=app[CAPPER].pressure_monitor)
+    pool.on_change = admission.on_capacity_changed  # capacity reports, Hello, lost connections, breaker verdicts
     app[POOL] = pool
+    app[ADMISSION] = admission
     app[LOCAL_WORKERS] = processes
+    metrics.attach_state(admission.snapshot, pool.status)
     for process in processes:
         process.start()
     pool.start()
     yield
+    admission.start_draining()  # anything still queued gets 503 server_draining
+    pool.on_change = None
     await pool.close()
     await asyncio.gather(*(p.stop() for p in processes))
 
@@ -187,6 +204,8 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     app[OPTIONS] = options
     app[CONFIG] = config
     app[STARTED_AT] = time.time()
+    app[RESOLVER] = TierResolver(config)
+    app[CAPPER] = OutputCapper(config, PressureMonitor(config.pressure))
     if tokenizer is not None:
         app[TOKENIZER] = tokenizer
     if metrics is not None:
@@ -200,4 +219,6 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/status", handlers.status)
     app.router.add_get("/metrics", handlers.metrics)
+    dashboard.add_routes(app.router)  # GET / and /dashboard: the status page
+    setup_jobs(app)  # /v1/jobs, /v1/files, /v1/batches and the jobs resource (store + runner), last: stops first
     return app

@@ -17,7 +17,10 @@ through the registry serve the pool but are never started, stopped or counted ag
      same work spread over more ready workers meets the target, counting workers already starting:
      ``ceil(ready × w ÷ target) − (ready + starting)``, at least one when none is starting (the proportional rule
      of the Kubernetes Horizontal Pod Autoscaler: desired = ceil(current × metric ÷ target)).
-   - ``pressure``: pressure level ≥ elevated (and the wait rule did not fire) → one worker, unless one is starting.
+   - ``pressure``: pressure level ≥ elevated while the pool is busy (requests queued, or utilisation at least
+     ``autoscale.scale_down_utilisation``: a level that lingers through its hysteresis over an idle pool, e.g.
+     after a wait through a cold start, is no reason) and the wait rule did not fire → one worker, unless one is
+     starting.
 
    After a start the condition must hold for another ``scale_up_after_s`` before the next one.
 4. Scale down, when no request is queued, nothing is starting or draining, pressure is normal and use has been low
@@ -223,7 +226,8 @@ class Autoscaler:
 
         wait_s = obs.predicted_queue_wait_s
         wait_high = num_ready > 0 and wait_s is not None and wait_s > pool.target_queue_wait_s
-        pressure_high = obs.pressure >= PressureLevel.ELEVATED
+        busy = obs.num_queued > 0 or obs.utilisation >= self._config.scale_down_utilisation
+        pressure_high = obs.pressure >= PressureLevel.ELEVATED and busy
         if wait_high or pressure_high:
             state.low_since_s = None
             if state.up_since_s is None:
@@ -265,8 +269,8 @@ class Autoscaler:
             low = projected < self._config.scale_down_utilisation
         else:
             low, projected = False, math.inf
-        eligible = (low and obs.num_queued == 0 and num_starting == 0 and not draining and candidates
-                    and num_local > pool.min_workers)
+        eligible = (low and obs.num_queued == 0 and obs.pressure is PressureLevel.NORMAL and num_starting == 0
+                    and not draining and candidates and num_local > pool.min_workers)
         if not eligible:
             state.low_since_s = None
             return None
@@ -304,7 +308,8 @@ class Autoscaler:
 
         With a ready worker: the observed predicted queue wait. With none but some starting: the cold start left of
         the one that started first (expected duration − time since spawn, at least 0). With none at all: a full
-        cold start when the pool may start a worker, else None (no worker will come).
+        cold start when the pool may start a worker (``max_workers`` > 0; with autoscaling off, ``min_workers`` >
+        0), else None (no worker will come).
         """
         now_s = self._clock()
         if any(w.state is WorkerState.READY for w in obs.workers):
@@ -314,9 +319,8 @@ class Autoscaler:
         if starting:
             return max(0.0, min(starting) + cold_start_s - now_s)
         pool = self._pools[obs.pool].config
-        if self._config.enabled and pool.max_workers > 0:
-            return cold_start_s
-        return None
+        may_start = pool.max_workers > 0 if self._config.enabled else pool.min_workers > 0
+        return cold_start_s if may_start else None
 
     # ----------------------------------------------------------------------------------------------- reports
 

@@ -80,6 +80,11 @@ class OutputCapper:
         self._pressure = pressure
         self._tiers = {tier.name: tier for tier in effective_tiers(config)}
 
+    @property
+    def pressure_monitor(self) -> PressureMonitor | None:
+        """Return the pressure monitor whose level sets the pressure caps (shared with admission)."""
+        return self._pressure
+
     def cap(
         self,
         tier: str,

@@ -1,13 +1,26 @@
-"""One request's generation: its choices on workers, turned into text events.
+"""One request's generation: admission of its choices, their runs on workers, turned into text events.
 
-Per choice: worker token ids → :class:`IncrementalDetokenizer` → :class:`StopStringMatcher` → text pieces. A stop
-string match aborts the choice on its worker at once (finish_reason ``stop``). :meth:`Generation.close` aborts
-every choice still running; handlers call it in ``finally`` so a client that disconnects (at any point: queued,
-prefill or decode, stream or not) makes the gateway send ``Abort``.
+Per choice: admission ticket → reservation on a worker → ``Generate`` → worker token ids →
+:class:`IncrementalDetokenizer` → :class:`StopStringMatcher` → text pieces. A stop string match aborts the choice on
+its worker at once (finish_reason ``stop``). :meth:`Generation.close` aborts every choice still running and gives
+back every reservation; handlers call it in ``finally`` so a client that disconnects (at any point: queued,
+prefill or decode, stream or not) leaves its queue or makes the gateway send ``Abort``.
 
 ::
 
     prompt p, sample j  ──▶ choice index p * n + j ──▶ Generate(request_id = "<rid>-<index>", seed + index)
+
+**n > 1 and several prompts**: one admission ticket per choice (each is one sequence on a worker, with its own KV
+demand), all queued at the same moment, so they sit side by side in their tier's queue and start together when
+capacity allows; the request waits until every choice is admitted, and if any is shed the request fails with that
+error and the others leave the queue. The API key's rate limit counts the request once (on the first ticket).
+
+**Worker health** (DESIGN.md, step 6): each attempt of a choice has a first-token deadline
+(``gateway.first_token_timeout_s``, from the moment ``Generate`` is sent) and an inter-token stall deadline
+(``gateway.stall_timeout_s``). A timeout or a worker failure counts against the worker's circuit breaker; the first
+token (or a clean end) counts as a success. A choice that fails before its first token — so before any byte of it
+reached the client — is retried once, with a fresh ticket (no rate-limit charge) that avoids the failed worker when
+another can serve. After its first token, a failure ends the request: in-band for a stream that has started.
 """
 
 from __future__ import annotations
@@ -17,16 +30,26 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import structlog
 
+from gateway.admission import AdmissionController, Ticket
 from gateway.detokenize import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.stop import StopStringMatcher
+from gateway.tiers import Principal
 from gateway.tokenize import Tokenizer
-from gateway.workers import RequestStream, WorkerPool
-from shared.errors import SluiceError
+from gateway.workers import RequestStream, Reservation, WorkerClient, WorkerPool
+from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Generate, SamplingParams
 
+log = structlog.get_logger("sluice.gateway")
+
 SEED_MODULUS = 2**63
+MAX_ATTEMPTS_PER_CHOICE = 2  # the first try and one retry before the first byte
+# Failures that may be retried on another worker when no token of the choice exists yet.
+RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING})
+# Failures that say the worker is unhealthy (its breaker counts them); others (bad input) are the request's fault.
+HEALTH_FAILURE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.INTERNAL})
 
 
 @dataclass
@@ -53,7 +76,10 @@ class ChoiceState:
     prompt_index: int
     request_id: str
     prompt_tokens: int
+    ticket: Ticket | None = None
+    attempt: int = 0
     stream: RequestStream | None = None
+    dispatched_at_s: float = 0.0
     detokenizer: IncrementalDetokenizer | None = None
     matcher: StopStringMatcher | None = None
     completion_tokens: int = 0
@@ -61,6 +87,16 @@ class ChoiceState:
     finish_reason: str | None = None
     text_parts: list[str] = field(default_factory=list)
     last_token_at_s: float = 0.0
+
+    @property
+    def reservation(self) -> Reservation | None:
+        reservation = self.ticket.reservation if self.ticket is not None else None
+        return reservation if isinstance(reservation, Reservation) else None
+
+    @property
+    def worker(self) -> WorkerClient | None:
+        reservation = self.reservation
+        return reservation.worker if reservation is not None else None
 
 
 @dataclass
@@ -81,7 +117,7 @@ class Usage:
 
 
 class Generation:
-    """Run ``n`` choices for each prompt of one request and yield their text as events.
+    """Admit and run ``n`` choices for each prompt of one request and yield their text as events.
 
     Args:
         request_id: the request's id (choice ids derive from it).
@@ -90,82 +126,101 @@ class Generation:
         n: choices per prompt.
         sampling: the request's sampling parameters (``seed`` is offset by the choice index).
         stop_strings: stop strings, applied by the gateway.
-        pool, tokenizer, metrics: the app's resources.
-        first_token_timeout_s, stall_timeout_s: limits on waiting for the worker.
+        principal: who sent it and its tier (rate limits, queue).
+        admission, pool, tokenizer, metrics: the app's resources.
+        first_token_timeout_s, stall_timeout_s: limits on waiting for the worker, per attempt.
         arrival_s: ``time.perf_counter()`` when the request arrived (for TTFT).
-        tier, cache_key: carried to the worker.
+        cache_key: carried to the worker.
         ignore_eos: forwarded (benchmarks).
     """
 
     def __init__(self, *, request_id: str, prompts: list[list[int]], max_tokens: list[int], n: int,
-                 sampling: SamplingParams, stop_strings: list[str], pool: WorkerPool, tokenizer: Tokenizer,
-                 metrics: Metrics, first_token_timeout_s: float, stall_timeout_s: float, arrival_s: float,
-                 tier: str = "standard", cache_key: str = "", ignore_eos: bool = False) -> None:
+                 sampling: SamplingParams, stop_strings: list[str], principal: Principal,
+                 admission: AdmissionController, pool: WorkerPool, tokenizer: Tokenizer, metrics: Metrics,
+                 first_token_timeout_s: float, stall_timeout_s: float, arrival_s: float, cache_key: str = "",
+                 ignore_eos: bool = False) -> None:
         self.request_id = request_id
         self.prompts = prompts
         self.max_tokens = max_tokens
         self.n = n
         self.sampling = sampling
         self.stop_strings = stop_strings
+        self.principal = principal
+        self.tier = principal.tier.name
+        self.admission = admission
         self.pool = pool
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.first_token_timeout_s = first_token_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.arrival_s = arrival_s
-        self.tier = tier
         self.cache_key = cache_key
         self.ignore_eos = ignore_eos
         self.choices: list[ChoiceState] = []
         self.ttft_s: float | None = None
         self.worker_ttft_ms: float | None = None
+        self.num_retries = 0
         self._events: asyncio.Queue = asyncio.Queue(maxsize=256)
         self._tasks: list[asyncio.Task] = []
         self._num_finished = 0
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Send one ``Generate`` per choice to a chosen worker and start pumping its replies.
+    @property
+    def queue_wait_s(self) -> float:
+        """Seconds from arrival at admission until the last choice was admitted (``x-sluice-queue-ms``)."""
+        return max((c.ticket.queue_wait_s for c in self.choices if c.ticket is not None), default=0.0)
+
+    async def admit(self) -> None:
+        """Queue every choice in its tier and wait until all are admitted (see the module docstring).
 
         Raises:
-            SluiceError: no worker ready (503); nothing is left running in that case.
+            SluiceError: a choice was shed (429/503 with ``retry_after_s``); nothing stays queued or reserved.
         """
-        try:
-            for prompt_index, prompt_ids in enumerate(self.prompts):
-                demand_tokens = len(prompt_ids) + self.max_tokens[prompt_index]  # per choice
-                worker = self.pool.choose(self.n * demand_tokens)
-                for j in range(self.n):
-                    index = prompt_index * self.n + j
-                    choice = ChoiceState(index, prompt_index, f"{self.request_id}-{index}", len(prompt_ids))
-                    seed = self.sampling.seed
-                    sampling = self.sampling if seed is None else msgspec.structs.replace(
-                        self.sampling, seed=(seed + index) % SEED_MODULUS)
-                    message = Generate(
-                        request_id=choice.request_id,
-                        prompt_token_ids=prompt_ids,
-                        sampling=sampling,
-                        max_tokens=self.max_tokens[prompt_index],
-                        stop_token_ids=self.tokenizer.eos_token_ids,
-                        tier=self.tier,
-                        cache_key=self.cache_key,
-                        ignore_eos=self.ignore_eos,
-                    )
-                    choice.detokenizer = IncrementalDetokenizer(self.tokenizer)
-                    choice.matcher = StopStringMatcher(self.stop_strings)
-                    choice.stream = worker.start_request(message, demand_tokens)
-                    self.choices.append(choice)
-        except BaseException:
-            self.close()
-            raise
+        for prompt_index, prompt_ids in enumerate(self.prompts):
+            for j in range(self.n):
+                index = prompt_index * self.n + j
+                choice = ChoiceState(index, prompt_index, f"{self.request_id}-{index}", len(prompt_ids))
+                max_tokens = self.max_tokens[prompt_index]
+                if index == 0:
+                    choice.ticket = self.admission.make_ticket_for(self.principal, prompt_ids, max_tokens)
+                else:
+                    choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, max_tokens)
+                self.choices.append(choice)
+        if len(self.choices) == 1:
+            await self.admission.admit(self.choices[0].ticket)
+        else:
+            await self._admit_together([c.ticket for c in self.choices])
         for choice in self.choices:
+            self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
+
+    async def _admit_together(self, tickets: list[Ticket]) -> None:
+        tasks = [asyncio.create_task(self.admission.admit(t), name=f"admit-{self.request_id}") for t in tickets]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()  # each leaves its queue or gives its reservation back
+            await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled():
+                    task.exception()  # retrieved: the first error is the one raised
+            raise
+
+    def start(self) -> None:
+        """Start one task per admitted choice: send ``Generate`` to its worker and pump the replies."""
+        for choice in self.choices:
+            choice.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            choice.matcher = StopStringMatcher(self.stop_strings)
             self._tasks.append(asyncio.create_task(self._pump(choice), name=f"pump-{choice.request_id}"))
 
     def close(self) -> None:
-        """Abort every choice still running on its worker and cancel the pump tasks (synchronous)."""
+        """Abort every choice still running, give back every reservation and cancel the pumps (synchronous)."""
         for choice in self.choices:
             if choice.stream is not None and not choice.stream.done:
-                choice.stream.worker.abort(choice.request_id)
+                choice.stream.worker.abort(choice.stream.request_id)
+            if choice.ticket is not None:
+                self.admission.release(choice.ticket)
         for task in self._tasks:
             task.cancel()
 
@@ -173,7 +228,8 @@ class Generation:
         """Return the next :class:`TextEvent` / :class:`FinishEvent`, or None once every choice finished.
 
         Raises:
-            SluiceError: a choice failed (worker error, worker lost, timeout); :meth:`close` aborts the others.
+            SluiceError: a choice failed (worker error, worker lost, timeout, shed on retry); :meth:`close` aborts
+                the others.
         """
         if self._num_finished == len(self.choices):
             return None
@@ -188,23 +244,103 @@ class Generation:
 
     async def _pump(self, choice: ChoiceState) -> None:
         try:
-            await self._pump_choice(choice)
+            await self._run_choice(choice)
         except SluiceError as exc:
             await self._events.put(exc)
 
-    async def _pump_choice(self, choice: ChoiceState) -> None:
-        stream = choice.stream
-        timeout_s = self.first_token_timeout_s
+    async def _run_choice(self, choice: ChoiceState) -> None:
+        """Run the choice to its end, retrying once on another worker when it fails before its first token."""
         while True:
-            update = await stream.next_update(timeout_s)
-            timeout_s = self.stall_timeout_s
+            try:
+                self._send(choice)
+                await self._stream_choice(choice)
+            except SluiceError as exc:
+                failed_worker = choice.worker
+                self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES)
+                retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
+                             and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE)
+                if not retryable:
+                    raise
+                choice.attempt += 1
+                self.num_retries += 1
+                log.warning("retry_before_first_byte", request_id=self.request_id, choice=choice.index,
+                            failed_worker=failed_worker.name if failed_worker else None, error_code=exc.code.value)
+                prompt_ids = self.prompts[choice.prompt_index]
+                choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, self.max_tokens[choice.prompt_index],
+                                                           avoid=failed_worker)
+                await self.admission.admit(choice.ticket)
+                self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
+                continue
+            self._end_attempt(choice, failed=False)
+            return
+
+    def _send(self, choice: ChoiceState) -> None:
+        reservation = choice.reservation
+        if reservation is None:  # a bug: choices run only once admitted
+            raise RuntimeError(f"choice {choice.request_id} started without a reservation")
+        seed = self.sampling.seed
+        sampling = self.sampling if seed is None else msgspec.structs.replace(
+            self.sampling, seed=(seed + choice.index) % SEED_MODULUS)
+        suffix = "" if choice.attempt == 0 else f"-r{choice.attempt}"
+        message = Generate(
+            request_id=choice.request_id + suffix,
+            prompt_token_ids=self.prompts[choice.prompt_index],
+            sampling=sampling,
+            max_tokens=self.max_tokens[choice.prompt_index],
+            stop_token_ids=self.tokenizer.eos_token_ids,
+            tier=self.tier,
+            cache_key=self.cache_key,
+            ignore_eos=self.ignore_eos,
+        )
+        choice.stream = None
+        choice.stream = reservation.worker.start_request(message)
+        choice.dispatched_at_s = time.perf_counter()
+        self.pool.dispatched(reservation)
+
+    def _end_attempt(self, choice: ChoiceState, failed: bool) -> None:
+        """Abort the attempt's worker request if it still runs, tell the breaker, give the reservation back."""
+        stream = choice.stream
+        if stream is not None and not stream.done:
+            stream.worker.abort(stream.request_id)
+        reservation = choice.reservation
+        if reservation is not None:
+            if failed:
+                self.pool.record_failure(reservation)
+            else:
+                self.pool.record_success(reservation)
+        if choice.ticket is not None:
+            self.admission.release(choice.ticket, None if failed else choice.completion_tokens)
+
+    async def _next_update(self, choice: ChoiceState):
+        stream = choice.stream
+        if choice.completion_tokens == 0:
+            limit_s = self.first_token_timeout_s
+            timeout_s = max(0.0, choice.dispatched_at_s + limit_s - time.perf_counter())
+            what = "first token"
+        else:
+            limit_s = timeout_s = self.stall_timeout_s
+            what = "next token"
+        try:
+            return await stream.next_update(timeout_s)
+        except SluiceError as exc:
+            if exc.code is not ErrorCode.WORKER_TIMEOUT:
+                raise
+            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"worker {stream.worker.name} sent no {what} within "
+                              f"{limit_s:g} s") from None
+
+    async def _stream_choice(self, choice: ChoiceState) -> None:
+        stream = choice.stream
+        while True:
+            update = await self._next_update(choice)
             if update.token_ids:
+                if choice.completion_tokens == 0:
+                    self.pool.record_success(choice.reservation)
                 self._observe_tokens(choice, update.token_ids, update.first_token_latency_ms)
                 text = choice.matcher.push(choice.detokenizer.push(update.token_ids))
                 if text:
                     await self._emit(choice, text)
                 if choice.matcher.matched is not None:
-                    stream.worker.abort(choice.request_id)
+                    stream.worker.abort(stream.request_id)
                     await self._finish(choice, "stop")
                     return
             if update.finished is not None:

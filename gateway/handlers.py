@@ -1,28 +1,45 @@
 """HTTP handlers of the OpenAI endpoints and the operational ones (models, health, readiness, status, metrics).
 
-Request life cycle (DESIGN.md): parse and validate → tokenize (off the loop) → cap output length → route →
-generate → stream back or collect. Validation finishes before any byte of the response is sent, so bad input is a
-JSON 4xx, never an SSE stream (BC06). A stream's headers are sent once its first event exists, so a worker that
-fails before the first token is a plain 502/504 too; later failures go in-band.
+Request life cycle (DESIGN.md): parse and validate → authenticate and classify (tier) → tokenize (off the loop) →
+cap output length (tier, pressure, context) → admit (tiered queues; 429/503 with Retry-After) → route (the
+admission reservation names the worker) → generate → stream back or collect. Validation and admission finish
+before any byte of the response is sent, so bad input or a shed request is a JSON error, never an SSE stream
+(BC06, BC25). A stream's headers are sent once its first event exists, so a worker that fails before the first
+token is a plain 502/504 too; later failures go in-band. Successful responses carry ``x-sluice-queue-ms``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
 
 from gateway import openai_api
-from gateway.caps import effective_max_tokens
 from gateway.generation import FinishEvent, Generation, TextEvent
-from gateway.state import CONFIG, LOCAL_WORKERS, METRICS, POOL, REQUEST_ID, REQUEST_LOG, STARTED_AT, TOKENIZER
+from gateway.jobs.api import defer_shed_request
+from gateway.state import (
+    ADMISSION,
+    CAPPER,
+    CONFIG,
+    LOCAL_WORKERS,
+    METRICS,
+    POOL,
+    REQUEST_ID,
+    REQUEST_LOG,
+    RESOLVER,
+    STARTED_AT,
+    TOKENIZER,
+)
+from gateway.tiers import Principal
 from gateway.streaming import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event, text_completion
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
 
 MAX_PROMPTS_PER_REQUEST = 64
+QUEUE_MS_HEADER = "x-sluice-queue-ms"
 
 
 def _check_model(app: web.Application, model: str) -> None:
@@ -36,15 +53,23 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()  # raises HTTPRequestEntityTooLarge over client_max_size (→ 413 envelope)
 
 
+def _principal(request: web.Request, body) -> Principal:
+    """Authenticate the request and pick its tier (a client may only lower it: header or ``service_tier``)."""
+    resolver = request.app[RESOLVER]
+    return resolver.resolve(request.headers.get("Authorization"), request.headers.get(resolver.tier_header),
+                            body.service_tier)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``."""
     arrival_s = time.perf_counter()
     body = openai_api.decode_body(await _read_body(request), openai_api.ChatCompletionRequest)
     _check_model(request.app, body.model)
     openai_api.check_unsupported(body)
+    principal = _principal(request, body)
     messages = openai_api.chat_messages(body)
     prompt_ids = await request.app[TOKENIZER].encode_chat(messages)
-    return await _serve(request, "chat", body, [prompt_ids], arrival_s, prompt_param="messages")
+    return await _serve(request, "chat", body, principal, [prompt_ids], arrival_s, prompt_param="messages")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -53,7 +78,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = openai_api.decode_body(await _read_body(request), openai_api.CompletionRequest)
     _check_model(request.app, body.model)
     openai_api.check_unsupported(body)
-    tokenizer = request.app[TOKENIZER]
+    principal = _principal(request, body)
+    prompt_ids = await _completion_prompt_ids(request.app[TOKENIZER], body)
+    return await _serve(request, "completion", body, principal, prompt_ids, arrival_s, prompt_param="prompt")
+
+
+async def _completion_prompt_ids(tokenizer, body: openai_api.CompletionRequest) -> list[list[int]]:
+    """Tokenize a completions request's prompts (strings or token ids), checking count, emptiness and ids."""
     prompts = openai_api.completion_prompts(body)
     if len(prompts) > MAX_PROMPTS_PER_REQUEST:
         raise SluiceError(ErrorCode.INVALID_VALUE, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request",
@@ -68,7 +99,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise SluiceError(ErrorCode.INVALID_VALUE,
                               f"token ids must be in [0, {tokenizer.vocab_size - 1}]", param=param)
         prompt_ids.append(ids)
-    return await _serve(request, "completion", body, prompt_ids, arrival_s, prompt_param="prompt")
+    return prompt_ids
 
 
 def _sampling(body: openai_api.ChatCompletionRequest | openai_api.CompletionRequest) -> SamplingParams:
@@ -81,8 +112,14 @@ def _sampling(body: openai_api.ChatCompletionRequest | openai_api.CompletionRequ
     )
 
 
-async def _serve(request: web.Request, kind: str, body, prompt_ids: list[list[int]], arrival_s: float,
-                 prompt_param: str) -> web.StreamResponse:
+def _max_tokens_param(body) -> str:
+    if isinstance(body, openai_api.ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+async def _serve(request: web.Request, kind: str, body, principal: Principal, prompt_ids: list[list[int]],
+                 arrival_s: float, prompt_param: str) -> web.StreamResponse:
     app = request.app
     config, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
     n = body.n or 1
@@ -91,24 +128,34 @@ async def _serve(request: web.Request, kind: str, body, prompt_ids: list[list[in
     stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
     context_tokens = pool.max_model_len_tokens(config.model.max_model_len_tokens)
     requested = openai_api.requested_max_tokens(body)
-    max_tokens = [
-        effective_max_tokens(requested, len(ids), context_tokens, config.gateway.max_tokens_cap,
-                             config.gateway.default_max_tokens, prompt_param)
+    decisions = [
+        app[CAPPER].cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
+                        prompt_param=prompt_param, max_model_len_tokens=context_tokens)
         for ids in prompt_ids
     ]
+    max_tokens = [decision.max_tokens for decision in decisions]
     request_id: str = request[REQUEST_ID]
     generation = Generation(
         request_id=request_id, prompts=prompt_ids, max_tokens=max_tokens, n=n, sampling=_sampling(body),
-        stop_strings=stop_strings, pool=pool, tokenizer=app[TOKENIZER], metrics=metrics,
-        first_token_timeout_s=config.gateway.first_token_timeout_s,
+        stop_strings=stop_strings, principal=principal, admission=app[ADMISSION], pool=pool,
+        tokenizer=app[TOKENIZER], metrics=metrics, first_token_timeout_s=config.gateway.first_token_timeout_s,
         stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
-        tier=config.default_tier, cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
+        cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
     )
     log_fields = request[REQUEST_LOG]
     log_fields.update(kind=kind, stream=bool(body.stream), n=n, prompt_tokens=sum(map(len, prompt_ids)),
-                      max_tokens=max_tokens[0])
+                      max_tokens=max_tokens[0], max_tokens_limited_by=decisions[0].limited_by,
+                      tier=principal.tier.name, tenant=principal.tenant)
     metrics.request_started()
     try:
+        try:
+            await generation.admit()
+        except SluiceError as exc:  # shed: an async job instead, where the tier or the client allows (issue 6)
+            deferred = await defer_shed_request(request, kind, principal.tier, exc)
+            if deferred is None:
+                raise
+            return deferred
+        log_fields["queue_ms"] = round(generation.queue_wait_s * 1000, 2)
         generation.start()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -123,7 +170,7 @@ async def _serve(request: web.Request, kind: str, body, prompt_ids: list[list[in
         metrics.e2e_latency.observe(time.perf_counter() - arrival_s)
         log_fields.update(completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
                           ttft_ms=None if generation.ttft_s is None else round(generation.ttft_s * 1000, 2),
-                          worker_ttft_ms=generation.worker_ttft_ms)
+                          worker_ttft_ms=generation.worker_ttft_ms, retries=generation.num_retries)
 
 
 def _response_id(kind: str, request_id: str) -> str:
@@ -140,7 +187,11 @@ async def _collect(request: web.Request, kind: str, generation: Generation) -> w
     payload = build(_response_id(kind, request[REQUEST_ID]), int(time.time()), request.app[CONFIG].model.name,
                     texts, finish_reasons, generation.usage().to_dict())
     request[REQUEST_LOG]["outcome"] = "ok"
-    return web.json_response(payload, dumps=_dumps)
+    return web.json_response(payload, dumps=_dumps, headers=_queue_header(generation))
+
+
+def _queue_header(generation: Generation) -> dict[str, str]:
+    return {QUEUE_MS_HEADER: f"{generation.queue_wait_s * 1000:.1f}"}
 
 
 def _dumps(payload) -> str:
@@ -156,6 +207,7 @@ async def _stream(request: web.Request, kind: str, generation: Generation, inclu
         "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",
         "x-request-id": request[REQUEST_ID],
+        **_queue_header(generation),
     })
     await response.prepare(request)
     request[REQUEST_LOG]["outcome"] = "client_disconnected"
@@ -206,8 +258,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """``GET /readyz``: 200 once a worker said Hello, else 503."""
+    """``GET /readyz``: 200 once a worker said Hello, else 503 (also while draining, so balancers stop sending)."""
     pool = request.app[POOL]
+    if request.app[ADMISSION].draining:
+        raise SluiceError(ErrorCode.DRAINING, "the gateway is shutting down", retry_after_s=1)
     ready = len(pool.ready_clients())
     if not ready:
         raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready yet", retry_after_s=1)
@@ -215,11 +269,15 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    """``GET /status``: JSON snapshot of the model, active requests and workers with their last capacity."""
+    """``GET /status``: JSON snapshot of the model, pressure, admission queues per tier, and the workers with
+    their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator)."""
     app = request.app
     config = app[CONFIG]
+    admission = app[ADMISSION].snapshot()
     return web.json_response({
         "model": config.model.name,
+        "pressure": admission["pressure"],
+        "admission": admission,
         "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),
         "active_requests": app[METRICS].num_active_requests,
         "uptime_s": round(time.time() - app[STARTED_AT], 3),
@@ -237,3 +295,73 @@ async def metrics(request: web.Request) -> web.Response:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------- async jobs (issue 6): the job runner's path
+
+
+async def run_completion(app: web.Application, kind: str, body_json: bytes, *, principal: Principal,
+                         request_id: str, on_admitted: Callable[[], None] | None = None) -> dict:
+    """Run one completion request like the HTTP handlers do, without a client connection; return the response.
+
+    Same steps as ``POST /v1/chat/completions`` / ``/v1/completions`` with ``stream`` off: validate, tokenize, cap,
+    admit in ``principal``'s tier (the job runner passes the lowest tier), generate on a worker, collect.
+    Cancelling the caller aborts the request on its worker (``Generation.close``).
+
+    Args:
+        app: the gateway application.
+        kind: ``chat`` or ``completion``.
+        body_json: the request body (JSON).
+        principal: whose request and in which tier.
+        request_id: the id the request carries to the worker and into the response id.
+        on_admitted: called once admission has reserved room on a worker.
+
+    Returns:
+        The chat.completion (or text_completion) object.
+
+    Raises:
+        SluiceError: as the handlers (4xx bad input, 429/503 shed, 502/504 worker failure).
+    """
+    arrival_s = time.perf_counter()
+    schema = openai_api.ChatCompletionRequest if kind == "chat" else openai_api.CompletionRequest
+    body = openai_api.decode_body(body_json, schema)
+    _check_model(app, body.model)
+    openai_api.check_unsupported(body)
+    if kind == "chat":
+        prompt_ids = [await app[TOKENIZER].encode_chat(openai_api.chat_messages(body))]
+    else:
+        prompt_ids = await _completion_prompt_ids(app[TOKENIZER], body)
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    config, pool = app[CONFIG], app[POOL]
+    n = body.n or 1
+    if n > config.gateway.max_n:
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
+    context_tokens = pool.max_model_len_tokens(config.model.max_model_len_tokens)
+    requested = openai_api.requested_max_tokens(body)
+    max_tokens = [
+        app[CAPPER].cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
+                        prompt_param=prompt_param, max_model_len_tokens=context_tokens).max_tokens
+        for ids in prompt_ids
+    ]
+    generation = Generation(
+        request_id=request_id, prompts=prompt_ids, max_tokens=max_tokens, n=n, sampling=_sampling(body),
+        stop_strings=openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences), principal=principal,
+        admission=app[ADMISSION], pool=pool, tokenizer=app[TOKENIZER], metrics=app[METRICS],
+        first_token_timeout_s=config.gateway.first_token_timeout_s, stall_timeout_s=config.gateway.stall_timeout_s,
+        arrival_s=arrival_s, cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
+    )
+    try:
+        await generation.admit()
+        if on_admitted is not None:
+            on_admitted()
+        generation.start()
+        finish_reasons = ["stop"] * len(generation.choices)
+        while (event := await generation.next_event()) is not None:
+            if isinstance(event, FinishEvent):
+                finish_reasons[event.index] = event.finish_reason
+    finally:
+        generation.close()
+    texts = [generation.text(i) for i in range(len(generation.choices))]
+    build = chat_completion if kind == "chat" else text_completion
+    return build(_response_id(kind, request_id), int(time.time()), config.model.name, texts, finish_reasons,
+                 generation.usage().to_dict())

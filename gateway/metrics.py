@@ -1,14 +1,30 @@
-"""Prometheus metrics of the gateway, in their own ``CollectorRegistry`` (served on ``/metrics``)."""
+"""Prometheus metrics of the gateway, in their own ``CollectorRegistry`` (served on ``/metrics``).
+
+Counters and histograms the request path updates live here; what admission and the worker pool already count
+(queue depths, admitted / rejected totals, pressure level, breaker states, worker readiness and KV statistics) is
+read from their snapshots at scrape time by :class:`StateCollector`, so the two never disagree.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.protocol import Capacity
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _OVERHEAD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+PRESSURE_LEVEL_VALUES = {"normal": 0, "elevated": 1, "critical": 2}
+BREAKER_STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+_KV_STAT_KEY = re.compile(r"^(?P<name>[^{]+)(?:\{(?P<labels>.*)\})?$")
+_INVALID_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+_OWN_KV_SUFFIXES = frozenset({"usage", "blocks_used"})  # sluice_worker_kv_usage / _blocks_used are the gateway's
 
 
 class Metrics:
@@ -25,7 +41,16 @@ class Metrics:
         worker_kv_usage: ``sluice_worker_kv_usage{worker}`` used / total KV blocks.
         worker_kv_blocks_used: ``sluice_worker_kv_blocks_used{worker}``.
         worker_running: ``sluice_worker_requests_running{worker}``; worker_waiting likewise.
-        worker_ready: ``sluice_worker_ready{worker}`` 1 when connected and said Hello.
+        queue_time: ``sluice_queue_time_seconds{tier}`` arrival → admission of each admitted choice.
+
+    Read at scrape time (:class:`StateCollector`, once :meth:`attach_state` is called):
+    ``sluice_pressure_level`` (0 normal, 1 elevated, 2 critical), ``sluice_queue_depth{tier}``,
+    ``sluice_queue_oldest_wait_seconds{tier}``, ``sluice_admitted_total{tier}``, ``sluice_rejected_total{tier,reason}``,
+    ``sluice_cancelled_total{tier}`` (left the queue: client gone), ``sluice_drain_rate_tokens_per_second``,
+    ``sluice_breaker_state{worker,backend}`` (0 closed, 1 half-open, 2 open), ``sluice_worker_ready{worker,backend}``,
+    ``sluice_worker_info{worker,backend,device,model}``, ``sluice_worker_decode_tokens_per_second{worker,backend}``,
+    ``sluice_worker_prefill_tokens_per_second{worker,backend}`` and ``sluice_worker_kv_<key>{worker,backend,...}``
+    for each entry of the worker's ``Capacity.kv_stats``. ``backend="sim"`` marks the roofline simulator.
     """
 
     def __init__(self) -> None:
@@ -52,8 +77,16 @@ class Metrics:
                                     ["worker"], registry=r)
         self.worker_waiting = Gauge("sluice_worker_requests_waiting", "Sequences waiting in the worker",
                                     ["worker"], registry=r)
-        self.worker_ready = Gauge("sluice_worker_ready", "1 when the worker is connected and ready", ["worker"],
-                                  registry=r)
+        self.queue_time = Histogram("sluice_queue_time_seconds", "Arrival to admission of admitted requests",
+                                    ["tier"], buckets=_QUEUE_BUCKETS_S, registry=r)
+        self._state_collector: StateCollector | None = None
+
+    def attach_state(self, admission_snapshot: Callable[[], dict[str, Any]],
+                     worker_status: Callable[[], list[dict]]) -> None:
+        """Export admission and worker state read at scrape time (call once the app's resources exist)."""
+        if self._state_collector is None:
+            self._state_collector = StateCollector(admission_snapshot, worker_status)
+            self.registry.register(self._state_collector)
 
     def request_started(self) -> None:
         """Count a request as active (``sluice_active_requests``)."""
@@ -76,3 +109,105 @@ class Metrics:
     def render(self) -> bytes:
         """Return the text exposition format of every metric."""
         return generate_latest(self.registry)
+
+
+def _metric_name(raw: str) -> str:
+    return _INVALID_NAME_CHARS.sub("_", raw.strip())
+
+
+def parse_kv_stat_key(key: str) -> tuple[str, dict[str, str]]:
+    """Split a ``Capacity.kv_stats`` key ``name`` or ``name{label=value,...}`` into a metric suffix and labels."""
+    match = _KV_STAT_KEY.match(key)
+    if match is None:
+        return _metric_name(key), {}
+    labels: dict[str, str] = {}
+    for part in (match.group("labels") or "").split(","):
+        label, sep, value = part.partition("=")
+        if sep and label.strip():
+            labels[_metric_name(label)] = value.strip().strip('"')
+    return _metric_name(match.group("name")), labels
+
+
+class StateCollector:
+    """Prometheus collector that reads admission and worker snapshots at scrape time.
+
+    Args:
+        admission_snapshot: returns ``AdmissionController.snapshot()``.
+        worker_status: returns ``WorkerPool.status()``.
+    """
+
+    def __init__(self, admission_snapshot: Callable[[], dict[str, Any]],
+                 worker_status: Callable[[], list[dict]]) -> None:
+        self._admission_snapshot = admission_snapshot
+        self._worker_status = worker_status
+
+    def collect(self) -> Iterable[Metric]:
+        """Yield the metric families (called by the registry on every scrape)."""
+        yield from self._admission_metrics(self._admission_snapshot())
+        yield from self._worker_metrics(self._worker_status())
+
+    def _admission_metrics(self, snapshot: dict[str, Any]) -> Iterable[Metric]:
+        level = GaugeMetricFamily("sluice_pressure_level", "Pressure level: 0 normal, 1 elevated, 2 critical")
+        level.add_metric([], PRESSURE_LEVEL_VALUES.get(snapshot["pressure"]["level"], 0))
+        yield level
+        rate = GaugeMetricFamily("sluice_drain_rate_tokens_per_second",
+                                 "Measured rate at which the workers work off queued tokens")
+        rate.add_metric([], snapshot["drain_rate_tokens_per_s"])
+        yield rate
+        depth = GaugeMetricFamily("sluice_queue_depth", "Requests waiting in the tier's admission queue",
+                                  labels=["tier"])
+        oldest = GaugeMetricFamily("sluice_queue_oldest_wait_seconds", "Wait of the oldest queued request",
+                                   labels=["tier"])
+        admitted = CounterMetricFamily("sluice_admitted", "Requests (choices) admitted to a worker", labels=["tier"])
+        rejected = CounterMetricFamily("sluice_rejected", "Requests rejected or shed, by reason",
+                                       labels=["tier", "reason"])
+        cancelled = CounterMetricFamily("sluice_cancelled", "Queued requests whose client left", labels=["tier"])
+        for tier, stats in snapshot["tiers"].items():
+            depth.add_metric([tier], stats["queue_depth"])
+            oldest.add_metric([tier], stats["oldest_wait_s"])
+            admitted.add_metric([tier], stats["admitted"])
+            cancelled.add_metric([tier], stats["cancelled"])
+            for reason, count in stats["rejected"].items():
+                rejected.add_metric([tier, reason], count)
+        yield from (depth, oldest, admitted, rejected, cancelled)
+
+    def _worker_metrics(self, workers: list[dict]) -> Iterable[Metric]:
+        ready = GaugeMetricFamily("sluice_worker_ready", "1 when the worker is connected and ready",
+                                  labels=["worker", "backend"])
+        breaker = GaugeMetricFamily("sluice_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                                    labels=["worker", "backend"])
+        info = GaugeMetricFamily("sluice_worker_info", "Worker identity (backend sim = roofline simulator)",
+                                 labels=["worker", "backend", "device", "model"])
+        decode = GaugeMetricFamily("sluice_worker_decode_tokens_per_second",
+                                   "Worker decode rate per busy second (Capacity report)", labels=["worker", "backend"])
+        prefill = GaugeMetricFamily("sluice_worker_prefill_tokens_per_second",
+                                    "Worker prefill rate per busy second (Capacity report)",
+                                    labels=["worker", "backend"])
+        kv_families: dict[str, tuple[list[str], list[tuple[list[str], float]]]] = {}
+        for worker in workers:
+            backend = worker["backend"]
+            ready.add_metric([worker["name"], backend], 1.0 if worker["ready"] else 0.0)
+            breaker.add_metric([worker["name"], backend], BREAKER_STATE_VALUES[worker["breaker"]["state"]])
+            hello = worker["hello"]
+            if hello is not None:
+                info.add_metric([worker["name"], backend, hello["device"], hello["model_id"]], 1.0)
+            capacity = worker["capacity"] or {}
+            if capacity:
+                decode.add_metric([worker["name"], backend], capacity["decode_tokens_per_s"])
+                prefill.add_metric([worker["name"], backend], capacity["prefill_tokens_per_s"])
+            for key, value in (capacity.get("kv_stats") or {}).items():
+                suffix, labels = parse_kv_stat_key(key)
+                if suffix in _OWN_KV_SUFFIXES:
+                    suffix = f"stat_{suffix}"
+                label_names, samples = kv_families.setdefault(suffix, (["worker", "backend"], []))
+                for label in labels:
+                    if label not in label_names:
+                        label_names.append(label)
+                samples.append(({"worker": worker["name"], "backend": backend, **labels}, float(value)))
+        yield from (ready, breaker, info, decode, prefill)
+        for suffix, (label_names, samples) in kv_families.items():
+            family = GaugeMetricFamily(f"sluice_worker_kv_{suffix}",
+                                       f"Worker KV statistic {suffix} (Capacity.kv_stats)", labels=label_names)
+            for labels, value in samples:
+                family.add_metric([labels.get(name, "") for name in label_names], value)
+            yield family

@@ -86,10 +86,14 @@ class RegistryEvent:
 def _decode(fields: dict[bytes, bytes]) -> RegisteredWorker | None:
     text = {key.decode(): value.decode() for key, value in fields.items()}
     try:
-        hello = msgspec.convert({k: v for k, v in text.items() if k in Hello.__struct_fields__}, Hello, strict=False)
+        hello = Hello(**{
+            field.name: msgspec.convert(text[field.name], field.type, strict=False)
+            for field in msgspec.structs.fields(Hello)
+            if field.name in text
+        })
         return RegisteredWorker(hello.worker_id, text["address"], hello, text.get("incarnation", ""),
                                 text.get("host", ""))
-    except (msgspec.ValidationError, KeyError) as exc:
+    except (msgspec.ValidationError, KeyError, TypeError) as exc:
         log.warning("registry_entry_malformed", error=str(exc), fields=sorted(text))
         return None
 

@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from gateway.admission import AdmissionController
+from gateway.caps import OutputCapper
 from gateway.local_workers import LocalWorkerProcess
 from gateway.metrics import Metrics
+from gateway.tiers import TierResolver
 from gateway.tokenize import Tokenizer
 from gateway.workers import WorkerPool
 from shared.config import Config
@@ -37,6 +40,9 @@ TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 POOL = web.AppKey("pool", WorkerPool)
 LOCAL_WORKERS = web.AppKey("local_workers", list[LocalWorkerProcess])
 STARTED_AT = web.AppKey("started_at", float)
+RESOLVER = web.AppKey("resolver", TierResolver)
+ADMISSION = web.AppKey("admission", AdmissionController)
+CAPPER = web.AppKey("capper", OutputCapper)
 
 REQUEST_ID = web.RequestKey("request_id", str)
 REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

@@ -134,6 +134,7 @@ class ReplayOptions:
     max_concurrency: int = 4096
     status_interval_s: float = 0.5
     request_timeout_s: float = 600.0
+    prompt_salt: int = 0
 
 
 @dataclass
@@ -259,8 +260,11 @@ async def _poll_status(session, base_url: str, interval_s: float, t0: float, out
 
 
 def build_texts(requests: list[TraceRequest], max_model_len_tokens: int | None,
-                prompt_builder) -> tuple[list[str], list[int], int]:
-    """Return (user text, clipped input tokens) per request, and how many prompts were clipped to the context."""
+                prompt_builder, salt: int = 0) -> tuple[list[str], list[int], int]:
+    """Return (user text, clipped input tokens) per request, and how many prompts were clipped to the context.
+
+    ``salt`` makes the prompts of one replay differ from another's (so a second run gets no prefix-cache hits).
+    """
     texts: list[str] = []
     inputs: list[int] = []
     num_clipped = 0
@@ -272,7 +276,8 @@ def build_texts(requests: list[TraceRequest], max_model_len_tokens: int | None,
                 input_tokens = max(1, limit)
                 num_clipped += 1
         inputs.append(input_tokens)
-        texts.append(prompt_builder.user_text(input_tokens, i, req.hash_ids, MOONCAKE_BLOCK_TOKENS))
+        texts.append(prompt_builder.user_text(input_tokens, salt * 1_000_003 + i, req.hash_ids,
+                                              MOONCAKE_BLOCK_TOKENS))
     return texts, inputs, num_clipped
 
 
@@ -294,7 +299,8 @@ async def run_replay(requests: list[TraceRequest], opts: ReplayOptions, prompt_b
         except aiohttp.ClientError as exc:
             raise ReplayError(f"gateway at {base_url} unreachable: {exc}") from exc
         model = opts.model or served_model
-        texts, inputs, num_clipped = await asyncio.to_thread(build_texts, requests, max_model_len, prompt_builder)
+        texts, inputs, num_clipped = await asyncio.to_thread(build_texts, requests, max_model_len, prompt_builder,
+                                                             opts.prompt_salt)
         results = [RequestResult(index=i, tier=req.tier or "", arrival_s=req.arrival_s, input_tokens=inputs[i],
                                  max_tokens=max(1, req.output_tokens)) for i, req in enumerate(requests)]
         samples: list[StatusSample] = []
@@ -371,6 +377,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
                         help="cancel requests still running this long after the last arrival")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tier assignment")
+    parser.add_argument("--prompt-salt", type=int, default=0, help="vary prompt text between runs (no cache hits)")
     parser.add_argument("--api-key", action="append", default=[], metavar="TIER=KEY",
                         help="API key to send for a tier ('*=KEY' for all); default none")
     parser.add_argument("--tier-header", default="x-sluice-tier")
@@ -407,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     builder = PromptBuilder(None if args.no_tokenizer else load_tokenizer())
     opts = ReplayOptions(base_url=args.base_url, slo_ttft_s_by_tier=slo, api_key_by_tier=api_keys,
                          tier_header=args.tier_header, model=args.model, ignore_eos=not args.no_ignore_eos,
-                         drain_timeout_s=args.drain_timeout_s, status_interval_s=args.status_interval_s)
+                         drain_timeout_s=args.drain_timeout_s, status_interval_s=args.status_interval_s,
+                         prompt_salt=args.prompt_salt)
     try:
         run = asyncio.run(run_replay(requests, opts, builder))
     except ReplayError as exc:

@@ -46,14 +46,18 @@ class GatewayConfig(_Section):
         host, port: where it listens.
         max_body_bytes: larger request bodies get 413.
         max_tokens_cap: server-wide ceiling on output tokens per choice.
-        default_max_tokens: output cap when a request omits ``max_tokens`` (capped too).
+        default_max_tokens: output budget when a request omits ``max_tokens``: the ceiling of the tiers'
+            ``default_max_tokens`` (capped too).
         max_n: most choices per request.
         max_stop_sequences: most stop strings per request.
         tokenizer_threads: threads for tokenization off the event loop.
-        first_token_timeout_s: a dispatched request with no token by then fails (504, or in-band).
-        stall_timeout_s: a stream with no new token for this long fails.
+        first_token_timeout_s: a dispatched request with no token by then is aborted on its worker (a breaker
+            failure) and retried once on another worker; then 504 ``worker_timeout``.
+        stall_timeout_s: a request with no new token for this long fails (504 before the first byte, in-band after).
         worker_restart_backoff_s: wait before restarting a local worker that died.
         worker_start_timeout_s: a spawned worker that has not said Hello by then is restarted.
+        drain_timeout_s: on SIGTERM, how long requests already running may take to finish (new ones get 503
+            ``server_draining``) before the gateway stops its workers and exits.
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +72,7 @@ class GatewayConfig(_Section):
     stall_timeout_s: float = 60.0
     worker_restart_backoff_s: float = 1.0
     worker_start_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
 
 
 class WorkerConfig(_Section):
@@ -473,7 +478,8 @@ class JobsConfig(_Section):
 
     Attributes:
         store: ``sqlite`` (a file, the embedded default) or ``redis`` (one queue shared by several gateways).
-        sqlite_path: the SQLite database file (WAL mode); a relative path is relative to the working directory.
+        sqlite_path: the SQLite database file (WAL mode); "" = ``$XDG_STATE_HOME/sluice/jobs.sqlite3``
+            (``~/.local/state/sluice/jobs.sqlite3``); a relative path is relative to the working directory.
         redis_url: the Redis server when ``store = "redis"``, e.g. ``redis://127.0.0.1:6379/0``.
         redis_key_prefix: prefix of every Redis key of the job store; gateways sharing a queue use the same one.
         lease_timeout_s: a claimed job whose runner sent no heartbeat for this long is claimed again by any gateway.
@@ -483,13 +489,16 @@ class JobsConfig(_Section):
         result_retention_days: finished jobs and batches, and files, are deleted this many days after they finish
             (or, for files, are uploaded); an ``expires_after`` asking for longer → 400.
         poll_interval_s: how often an idle runner looks for jobs, and for batches to finalize.
-        max_attempts: a job whose run fails for a transient reason (worker lost, shed, timeout) is retried until it
-            was started this many times, then fails.
+        idle_grace_s: the workers must have looked idle (no request waiting anywhere, a free slot) for this long
+            before a job is claimed, so a job never takes the slot freed between two interactive requests.
+        max_attempts: a job whose run fails for a transient reason (worker lost, timeout) is retried until it was
+            started on a worker this many times, then fails (sheds by admission before a worker was reached do
+            not count).
         max_concurrent_jobs: most jobs one gateway runs at once (the idle-capacity gate usually allows fewer).
     """
 
     store: Literal["sqlite", "redis"] = "sqlite"
-    sqlite_path: str = "sluice-jobs.sqlite3"
+    sqlite_path: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_key_prefix: str = "sluice:jobs"
     lease_timeout_s: float = 30.0
@@ -498,6 +507,7 @@ class JobsConfig(_Section):
     max_batch_lines: int = 50000
     result_retention_days: float = 30.0
     poll_interval_s: float = 0.25
+    idle_grace_s: float = 0.2
     max_attempts: int = 5
     max_concurrent_jobs: int = 256
 

@@ -17,8 +17,8 @@ T / L answers/s. This planner keeps that core and adds what it leaves out:
    The step count is whichever bound binds: the token budget (prefill-heavy) or one decode token per sequence per
    step (decode-heavy). With no prompt and no KV reads this is exactly T / L: ``1 / E[S] = (b / c_step) / L``.
    A worker saturates at ``mu = 1 / E[S]`` answers/s.
-4. **Queueing** at a TTFT SLO. Workers are the servers of a G/G/c queue (service time of step 7) (the gateway routes to the worker with the
-   most free KV, close to one shared queue). Mean wait by the Allen–Cunneen approximation,
+4. **Queueing** at a TTFT SLO. Workers are the servers of a G/G/c queue (service time of step 7; the gateway
+   routes to the worker with the most free KV, close to one shared queue). Mean wait by the Allen–Cunneen approximation,
    ``Wq ≈ C(c, a) / (c·mu − λ) · (Ca² + Cs²) / 2`` with ``C(c, a)`` the Erlang C probability of waiting,
    ``a = λ / mu`` (A. K. Erlang, 1917; O. Allen, "Probability, Statistics and Queueing Theory", 2nd ed., 1990,
    §6; see also Hopp & Spearman, "Factory Physics", eq. 8.10). Ca² is the squared coefficient of variation of
@@ -343,7 +343,8 @@ def workload_from_rate(rate_per_s: float, input_tokens: list[int], output_tokens
     for name, count in counts.items():
         tiers.extend([name] * count)
     reps = math.ceil(len(tiers) / n)
-    return Workload(input_tokens=np.tile(inputs, reps)[: len(tiers)], output_tokens=np.tile(outputs, reps)[: len(tiers)],
+    return Workload(input_tokens=np.tile(inputs, reps)[: len(tiers)],
+                    output_tokens=np.tile(outputs, reps)[: len(tiers)],
                     tiers=tiers, window_rates_per_s=[rate_per_s], window_counts=[len(tiers)],
                     arrival_cv2=arrival_cv2, mean_rate_per_s=rate_per_s)
 
@@ -646,8 +647,11 @@ def sustained_rate_per_worker(model: WorkerModel, workload: Workload, slo_ttft_s
 
 def plan(model: WorkerModel, workload: Workload, slo_ttft_s_by_tier: dict[str, float],
          tier_priority: dict[str, int] | None = None, target: float = 0.95, max_workers: int = 256,
-         queue_model: str = "auto") -> Plan:
-    """Find the least worker count whose predicted SLO attainment reaches ``target`` for every tier."""
+         queue_model: str = "auto", with_sustained_rate: bool = True) -> Plan:
+    """Find the least worker count whose predicted SLO attainment reaches ``target`` for every tier.
+
+    ``with_sustained_rate=False`` skips the bisection for ``sustained_rate_per_worker_s`` (reported as 0).
+    """
     if queue_model == "auto":
         queue_model = "trace" if workload.arrival_s is not None else "allen-cunneen"
     if not 0 < target <= 1:
@@ -676,7 +680,7 @@ def plan(model: WorkerModel, workload: Workload, slo_ttft_s_by_tier: dict[str, f
         workers_needed=needed, prediction=prediction if needed is not None else None, one_fewer=one_fewer,
         saturation_rate_per_worker_s=mu,
         sustained_rate_per_worker_s=sustained_rate_per_worker(model, workload, slo_ttft_s_by_tier, tier_priority,
-                                                              target),
+                                                              target) if with_sustained_rate else 0.0,
         t_over_l_per_s=profile.t_over_l_per_s, decode_tokens_per_s=profile.decode_tokens_per_s,
         mean_output_tokens=profile.mean_output_tokens, mean_input_tokens=float(workload.input_tokens.mean()),
         batch_limit=profile.batch_limit, mean_service_s=float(profile.service_s.mean()),
@@ -700,7 +704,8 @@ def format_plan(result: Plan) -> str:
         f"one worker: saturates at {result.saturation_rate_per_worker_s:.2f} answers/s; sustains "
         f"{result.sustained_rate_per_worker_s:.2f}/s within the SLO at {100 * result.slo_attainment_target:.0f}% "
         "attainment",
-        f"queue model: {result.queue_model}; workers needed: {result.workers_needed if result.workers_needed is not None else 'more than the limit'}",
+        f"queue model: {result.queue_model}; workers needed: "
+        f"{result.workers_needed if result.workers_needed is not None else 'more than the limit'}",
     ]
     for label, pred in (("plan", result.prediction), ("one fewer", result.one_fewer)):
         if pred is None:

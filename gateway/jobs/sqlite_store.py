@@ -306,11 +306,12 @@ class SqliteJobStore(JobStore):
             (now_s + lease_s, job_id, RUNNING, runner_id)))
         return cursor.rowcount > 0
 
-    async def requeue(self, job_id: str, runner_id: str) -> bool:
+    async def requeue(self, job_id: str, runner_id: str, refund_attempt: bool = False) -> bool:
         """See :meth:`JobStore.requeue`."""
         cursor = await self._run(lambda c: c.execute(
-            "UPDATE jobs SET status = ?, lease_owner = '', lease_expires_at = 0 "
-            "WHERE id = ? AND status = ? AND lease_owner = ?", (QUEUED, job_id, RUNNING, runner_id)))
+            "UPDATE jobs SET status = ?, lease_owner = '', lease_expires_at = 0, attempts = attempts - ? "
+            "WHERE id = ? AND status = ? AND lease_owner = ?",
+            (QUEUED, int(refund_attempt), job_id, RUNNING, runner_id)))
         return cursor.rowcount > 0
 
     async def finish(self, job_id: str, status: str, now_s: float, *, result: bytes = b"",

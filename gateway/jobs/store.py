@@ -20,6 +20,7 @@ Guarantees every implementation keeps:
 from __future__ import annotations
 
 import abc
+import os
 from typing import Any
 
 from gateway.jobs.models import Batch, FileRecord, Job
@@ -125,8 +126,13 @@ class JobStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def requeue(self, job_id: str, runner_id: str) -> bool:
-        """Put a running job held by ``runner_id`` back in the queue (a transient failure); return whether it was."""
+    async def requeue(self, job_id: str, runner_id: str, refund_attempt: bool = False) -> bool:
+        """Put a running job held by ``runner_id`` back in the queue (a transient failure); return whether it was.
+
+        Args:
+            refund_attempt: the run never reached a worker (shed by admission, shutdown): take back the attempt
+                :meth:`claim` counted.
+        """
 
     @abc.abstractmethod
     async def finish(self, job_id: str, status: str, now_s: float, *, result: bytes = b"",
@@ -185,6 +191,12 @@ class JobStore(abc.ABC):
         """Delete finished jobs, final batches and files whose retention ended; return how many records went."""
 
 
+def default_sqlite_path() -> str:
+    """Return the SQLite file used when ``jobs.sqlite_path`` is empty: ``$XDG_STATE_HOME/sluice/jobs.sqlite3``."""
+    state_home = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state_home, "sluice", "jobs.sqlite3")
+
+
 def make_store(config: JobsConfig) -> JobStore:
     """Return the store ``config.store`` names (not opened yet).
 
@@ -194,7 +206,7 @@ def make_store(config: JobsConfig) -> JobStore:
     if config.store == "sqlite":
         from gateway.jobs.sqlite_store import SqliteJobStore
 
-        return SqliteJobStore(config.sqlite_path)
+        return SqliteJobStore(config.sqlite_path or default_sqlite_path())
     if config.store == "redis":
         from gateway.jobs.redis_store import RedisJobStore
 

@@ -121,16 +121,31 @@ def test_an_interrupted_condition_restarts_the_sustain_window():
     assert decision.num_workers == 1  # ceil(1 × 3 ÷ 2) − 1 = 1
 
 
-def test_sustained_pressure_adds_one_worker_at_a_time():
+def test_sustained_pressure_on_a_busy_pool_adds_one_worker_at_a_time():
     clock = FakeClock()
     scaler = make(clock)
     ws = workers(READY)
-    scaler.tick([obs(ws, wait_s=0.5, pressure=PressureLevel.ELEVATED)])
+    busy = dict(wait_s=0.5, pressure=PressureLevel.ELEVATED, utilisation=0.9)
+    scaler.tick([obs(ws, **busy)])
     clock.now_s = 5.0
-    [decision] = scaler.tick([obs(ws, wait_s=0.5, pressure=PressureLevel.ELEVATED)])
+    [decision] = scaler.tick([obs(ws, **busy)])
     assert (decision.reason, decision.num_workers) == (ScaleReason.PRESSURE, 1)
     clock.now_s = 10.0  # one is starting: pressure alone adds no second one
-    assert scaler.tick([obs(workers(READY, STARTING), wait_s=0.5, pressure=PressureLevel.CRITICAL)]) == []
+    assert scaler.tick([obs(workers(READY, STARTING), wait_s=0.5, queued=2, pressure=PressureLevel.CRITICAL)]) == []
+
+
+def test_pressure_lingering_over_an_idle_pool_starts_nothing():
+    clock = FakeClock()
+    scaler = make(clock)
+    ws = workers(READY)
+    for t in (0.0, 5.0, 10.0):  # e.g. the dwell after a wait through a cold start: nothing queued, low use
+        clock.now_s = t
+        assert scaler.tick([obs(ws, pressure=PressureLevel.ELEVATED, utilisation=0.1)]) == []
+    clock.now_s = 11.0
+    scaler.tick([obs(ws, pressure=PressureLevel.ELEVATED, queued=1)])  # requests queue up: busy again
+    clock.now_s = 16.0
+    [decision] = scaler.tick([obs(ws, pressure=PressureLevel.ELEVATED, queued=1)])
+    assert decision.reason is ScaleReason.PRESSURE
 
 
 def test_scale_up_stops_at_max_workers():
@@ -197,9 +212,11 @@ def test_queued_requests_or_pressure_block_scale_down():
         clock.now_s = t
         assert scaler.tick([obs(ws, wait_s=0.1, queued=1)]) == []
     clock.now_s = 61.0
-    assert scaler.tick([obs(ws, wait_s=0.1, pressure=PressureLevel.ELEVATED)]) == []  # (not yet 5 s of pressure)
+    assert scaler.tick([obs(ws, wait_s=0.1, pressure=PressureLevel.ELEVATED)]) == []
     clock.now_s = 62.0
     assert scaler.tick([obs(ws)]) == []  # low use starts only now
+    clock.now_s = 91.9
+    assert scaler.tick([obs(ws)]) == []
     clock.now_s = 92.0
     assert [d.worker_id for d in scaler.tick([obs(ws)])] == ["w1"]
 
@@ -278,3 +295,9 @@ def test_worker_seconds_count_every_second_a_worker_exists():
     assert meter.worker_seconds("p") == 25.0
     assert meter.worker_seconds("other") == 0.0
     assert meter.pools() == ["p"]
+
+
+def test_with_autoscaling_off_a_pool_below_min_still_expects_a_cold_start():
+    scaler = make(FakeClock(), pool(min_workers=1, max_workers=4), enabled=False)
+    assert scaler.predicted_wait_s(obs([])) == 20.0  # the missing min worker will be started
+    assert make(FakeClock(), pool(min_workers=0), enabled=False).predicted_wait_s(obs([])) is None

@@ -9,11 +9,16 @@ from __future__ import annotations
 import gc
 import random
 
+import pytest
+import torch
+
 from shared.config import KVConfig, SimConfig
 from shared.protocol import Generate, SamplingParams
 from worker.backends.sim import SimRunner
 from worker.engine import Engine
 from worker.kv_cache.manager import KVCacheManager
+from worker.kv_cache.offload.chain import build_offload_chain
+from worker.model_runner import KVBlockIO
 from worker.scheduler import Scheduler
 
 NUM_BLOCKS = 256
@@ -25,15 +30,26 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_bc33_memory_flat_over_20000_requests_sim_backend():
+@pytest.mark.parametrize("offload", [False, True])
+def test_bc33_memory_flat_over_20000_requests_sim_backend(offload, tmp_path):
+    """With ``offload``, evicted blocks also go through host RAM and disk tiers over a small KV tensor (1 KiB
+    blocks) that the simulator never writes: the offload bookkeeping and files are what is checked, not values."""
     sim = SimConfig(time_scale=1e-9)  # the SIMULATOR's step time, scaled to nothing
-    manager = KVCacheManager(NUM_BLOCKS, BS, eviction_policy="sluice", config=KVConfig())
+    chain = None
+    if offload:
+        io = KVBlockIO(torch.zeros(1, 2, NUM_BLOCKS, 1, BS, 8))
+        kv = KVConfig(host_cache_gib=128 * 1024 / 2**30, disk_cache_gib=256 * 1024 / 2**30,
+                      disk_cache_dir=str(tmp_path), swap_space_gib=0)
+        chain = build_offload_chain(kv, io, "sim", "float32")
+        chain.cost.freeze(prefill_tokens_per_s=1.0)  # the simulator "prefills" in microseconds: force reloads
+    manager = KVCacheManager(NUM_BLOCKS, BS, eviction_policy="sluice", config=KVConfig(), offload=chain)
     engine = Engine(Scheduler(manager, 64, 512, 4096), SimRunner(sim, list(range(100, 30000))), [2])
     rng = random.Random(0)
-    prefixes = [[rng.randrange(100, 30000) for _ in range(48)] for _ in range(20)]
+    prefixes = [[rng.randrange(100, 30000) for _ in range(48)] for _ in range(200)]  # 600 blocks > the pool
     start_free = manager.num_free_blocks
     rss_after_first_1000 = 0
     num_finished = 0
+    num_tokens_out = 0
     for batch_start in range(0, 20_000, 100):
         for i in range(batch_start, batch_start + 100):
             prompt = rng.choice(prefixes)[:rng.randrange(16, 48)] + [rng.randrange(100, 30000) for _ in range(8)]
@@ -41,12 +57,20 @@ def test_bc33_memory_flat_over_20000_requests_sim_backend():
                            tier=rng.choice(["vip", "free"]), cache_ttl_s=rng.choice([0.0, 30.0]))
             engine.add(f"r{i}", msg, tier_priority=rng.randrange(4))
         while engine.has_work():
-            num_finished += sum(1 for e in engine.step().events if e.finish_reason is not None)
+            for event in engine.step().events:
+                assert event.error is None
+                num_tokens_out += len(event.new_token_ids)
+                num_finished += event.finish_reason is not None
         if batch_start + 100 == 1000:
             gc.collect()
             rss_after_first_1000 = rss_bytes()
     gc.collect()
-    assert num_finished == 20_000
+    assert num_finished == 20_000 and num_tokens_out >= 20_000
     assert rss_bytes() <= 1.05 * rss_after_first_1000
     assert manager.num_used_blocks == 0 and manager.num_free_blocks == start_free == NUM_BLOCKS
     assert manager.pool.num_evictions > 0 and manager.prefix_hits_tokens > 0
+    if offload:
+        stats = manager.stats_snapshot()
+        assert stats["reloaded_blocks{tier=host}"] > 0 and stats["offloaded_blocks{tier=disk}"] > 0
+        disk = chain.tier("disk")
+        assert disk.used_bytes <= disk.capacity_bytes and len(list(tmp_path.glob("*/*.kv"))) == disk.num_blocks

@@ -363,6 +363,9 @@ class KVCacheManager:
             return 0, []
         hashes = self._hashes(seq, token_ids, max_blocks)[:max_blocks]
         run_tiers = self.offload.find(hashes, num_hit_blocks)
+        # a later block still on the device (its chain was cut before it) cannot join a reload run: stop there
+        on_device = next((i for i in range(len(run_tiers)) if hashes[num_hit_blocks + i] in self.prefix_cache), None)
+        run_tiers = run_tiers[:on_device]
         if not run_tiers:
             return 0, []
         num_reload = self.offload.cost.num_blocks_to_reload(run_tiers, self.offload.block_bytes, self.block_size)

@@ -89,14 +89,21 @@ class OffloadChain:
              token_ids: Sequence[int]) -> bool:
         """Copy one block from ``tier_name`` into pool block ``block_id`` after checking its content.
 
+        The block may have moved down since :meth:`find` (allocating the reload's blocks demotes device blocks,
+        which can push it out of its tier): the tiers below ``tier_name`` are asked too.
+
         Returns:
-            False (nothing written) when the tier no longer has it or its stored token ids differ.
+            False (nothing written) when no tier has it any more or its stored token ids differ.
         """
-        tier = self._by_name[tier_name]
         start_s = time.perf_counter()
-        block = tier.get(block_hash)
+        block = None
+        for tier in self.tiers[self.tiers.index(self._by_name[tier_name]):]:
+            block = tier.get(block_hash)
+            if block is not None:
+                break
         if block is None:
             return False
+        tier_name = tier.name
         if not block.matches(parent_hash, token_ids):
             self.stats.add("reload_verify_failures_total")
             tier.discard(block_hash)

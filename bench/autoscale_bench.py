@@ -1,0 +1,208 @@
+"""Autoscaling bench (issue 7): the Azure 2023 code trace (bursty, with idle gaps) at 2× the capacity of 2 sim
+workers, served by a pool that autoscales between 0 and 4 sim workers and, side by side in the same run, by a
+fixed fleet of 4.
+
+Capacity comes from the planner (``sluice.plan``), as in ``bench/replay_bench.py``: one sim worker (the roofline
+SIMULATOR of an H200 serving Llama-3-8B) saturates at ``mu`` answers/s for the trace's lengths, so 2 workers sustain
+``2·mu``; the trace (its first ``--requests`` requests) is rate-scaled to a mean arrival rate of 2 × 2·mu. Tiers
+20% vip / 60% standard / 20% free (seeded); SLO TTFT ≤ 1 s for vip, ≤ 5 s for the others, in simulated time: every
+simulated duration is multiplied by ``--time-scale`` and so are the SLOs and the tiers' queue deadlines, so the
+experiment runs at a pace this machine can drive. A sim worker's cold start here (spawn → Hello: Python start and the
+tokenizer load) is real wall time, not scaled: at ``--time-scale`` k it stands for a cold start k times shorter on the
+simulated GPU.
+
+Worker-seconds are counted over the replay (from its first arrival to its end) from the gateway's ``/status``: every
+second a local worker process exists, starting and draining included.
+
+Writes ``bench/results/autoscale.json``: per run the per-tier summary (SLO attainment, TTFT percentiles, rejections),
+worker-seconds, scale events and cold starts; and the checks of issue 7 (attainment per tier no worse than the fixed
+fleet's, worker-seconds ≤ 60% of it).
+
+    .venv/bin/python -m bench.autoscale_bench [--requests 1200] [--time-scale 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from loadtest.replay import ReplayOptions, run_replay  # noqa: E402
+from loadtest.summary import format_table, summarize  # noqa: E402
+from loadtest.traces import assign_tiers, load_trace, parse_mix, shape_trace, trace_stats  # noqa: E402
+from shared.config import DEFAULT_TIERS, SimConfig, WorkerConfig  # noqa: E402
+from sluice.plan import WorkerModel, service_profile, workload_from_trace  # noqa: E402
+
+TIER_MIX = "vip=0.2,standard=0.6,free=0.2"
+SLO_TTFT_S = {"vip": 1.0, "standard": 5.0, "free": 5.0}
+START_TIMEOUT_S = 300.0
+MAX_WORKERS = 4
+
+
+def bench_config(time_scale: float, autoscale: bool) -> str:
+    """Return the gateway config: the default tiers with time-scaled deadlines, one sim pool (0..4 or fixed 4)."""
+    lines = ['default_tier = "vip"', "", "[sim]", f"time_scale = {time_scale}", "",
+             "[autoscale]", f"enabled = {'true' if autoscale else 'false'}", "interval_s = 0.5",
+             "initial_cold_start_s = 10.0", ""]
+    for tier in DEFAULT_TIERS:
+        lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
+                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {tier.queue_timeout_s * time_scale}",
+                  f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
+                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}", ""]
+    lines += ["[[pools]]", 'name = "sim"', 'backend = "sim"',
+              f"min_workers = {0 if autoscale else MAX_WORKERS}", f"max_workers = {MAX_WORKERS}",
+              "scale_up_after_s = 1.0", "scale_down_after_s = 8.0", f"target_queue_wait_s = {0.5 * time_scale}", ""]
+    return "\n".join(lines)
+
+
+def capacity_per_worker(requests, time_scale: float) -> float:
+    """Return the planner's saturation rate of one sim worker for these requests, answers/s (wall clock)."""
+    from msgspec.structs import replace
+
+    model = WorkerModel.from_roofline(replace(SimConfig(), time_scale=time_scale), WorkerConfig())
+    workload = workload_from_trace(requests, 30.0, SimConfig().max_model_len_tokens)
+    return service_profile(model, workload.input_tokens, workload.output_tokens).saturation_rate_per_s
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class FleetGateway:
+    """``sluice serve`` with the bench config on a free loopback port, as a context manager."""
+
+    def __init__(self, config_text: str, log_path: Path) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-autoscale-")
+        self.config_path = Path(self._tmp.name) / "config.toml"
+        self.config_path.write_text(config_text)
+        self.log_path = log_path
+        from loadtest.harness import free_port
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> FleetGateway:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "sluice.cli", "serve", "--config", str(self.config_path), "--port",
+                 str(self.port)], cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        return self
+
+    def wait(self, predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"sluice serve exited: {self.log_path.read_text()[-3000:]}")
+            status = get_json(self.base_url + "/status")
+            if status is not None and predicate(status["fleet"]["pools"]["sim"]):
+                return status
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._tmp.cleanup()
+
+
+def run_one(name: str, autoscale: bool, requests, time_scale: float, slo: dict[str, float], builder,
+            out_dir: Path) -> dict:
+    """Serve ``requests`` with one fleet; return its summary, worker-seconds and scale events."""
+    with FleetGateway(bench_config(time_scale, autoscale), out_dir / f"autoscale_{name}.log") as gateway:
+        if autoscale:
+            gateway.wait(lambda pool: pool["workers"]["ready"] == 0, "the empty pool")
+        else:
+            gateway.wait(lambda pool: pool["workers"]["ready"] == MAX_WORKERS, "the fixed fleet")
+        before = get_json(gateway.base_url + "/status")["fleet"]["pools"]["sim"]
+        opts = ReplayOptions(base_url=gateway.base_url, slo_ttft_s_by_tier=slo,
+                             drain_timeout_s=max(60.0, 10 * slo["standard"]), prompt_salt=1)
+        run = asyncio.run(run_replay(requests, opts, builder))
+        status = get_json(gateway.base_url + "/status")
+        after = status["fleet"]["pools"]["sim"]
+    summary = summarize(run.results, slo)
+    worker_seconds = after["worker_seconds"] - before["worker_seconds"]
+    print(f"\n== {name}: {len(requests)} requests, wall {run.wall_s:.1f} s, worker-seconds {worker_seconds:.1f}")
+    print(format_table(summary))
+    return {
+        "name": name, "autoscale": autoscale, "wall_s": run.wall_s, "worker_seconds": worker_seconds,
+        "summary": summary, "scale_events": status["fleet"]["scale_events"],
+        "cold_start_s": after["cold_start_s"], "num_cold_starts": after["num_cold_starts"],
+        "timeline": [{"t_s": round(s.t_s, 2), "queued": sum(s.queue_depth_by_tier.values()),
+                      "workers": len(s.running_by_worker), "pressure": s.pressure}
+                     for s in run.status_samples[:: max(1, len(run.status_samples) // 200)]],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1200)
+    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument("--multiple", type=float, default=2.0, help="offered load ÷ capacity of 2 sim workers")
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    time_scale = args.time_scale
+    slo = {tier: s * time_scale for tier, s in SLO_TTFT_S.items()}
+    base = shape_trace(load_trace("azure-code"), max_requests=args.requests)
+    mu = capacity_per_worker(assign_tiers(base, parse_mix(TIER_MIX)), time_scale)
+    capacity = 2 * mu
+    rate_scale = args.multiple * capacity / trace_stats(base).rate_per_s
+    requests = assign_tiers(shape_trace(base, rate_scale=rate_scale), parse_mix(TIER_MIX), seed=0)
+    stats = trace_stats(requests)
+    print(f"capacity of 2 sim workers (planner, time_scale {time_scale}): {capacity:.2f} answers/s; offered "
+          f"{stats.rate_per_s:.2f}/s over {stats.span_s:.0f} s ({len(requests)} requests, rate scale {rate_scale:.2f})")
+    builder = PromptBuilder(load_tokenizer())
+    started = time.time()
+    runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir),
+            run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir)]
+    auto, fixed = runs
+    checks = {"worker_seconds_ratio": auto["worker_seconds"] / fixed["worker_seconds"]
+              if fixed["worker_seconds"] else None}
+    checks["worker_seconds_le_60pct"] = checks["worker_seconds_ratio"] is not None and \
+        checks["worker_seconds_ratio"] <= 0.6
+    for tier in sorted(SLO_TTFT_S):
+        a = auto["summary"]["tiers"].get(tier, {}).get("slo_attainment")
+        f = fixed["summary"]["tiers"].get(tier, {}).get("slo_attainment")
+        checks[f"{tier}_attainment_autoscale"] = a
+        checks[f"{tier}_attainment_fixed"] = f
+        checks[f"{tier}_no_worse"] = a is not None and f is not None and a >= f
+    print("\nchecks:", json.dumps(checks, indent=1))
+    result = {"trace": "azure-code", "requests": len(requests), "time_scale": time_scale, "multiple": args.multiple,
+              "slo_ttft_s_scaled": slo, "tier_mix": TIER_MIX, "capacity_per_worker_per_s": mu,
+              "capacity_2_workers_per_s": capacity, "rate_scale": rate_scale, "offered_rate_per_s": stats.rate_per_s,
+              "bench_wall_s": time.time() - started, "runs": runs, "checks": checks}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "autoscale.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_dir / 'autoscale.json'} in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

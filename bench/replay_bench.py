@@ -1,0 +1,145 @@
+"""Overload bench (issue 3): the Azure 2023 code trace at 1×, 2×, 4× the capacity of 2 sim workers, admission on
+vs off.
+
+Capacity comes from the planner (``sluice.plan``): one sim worker saturates at ``mu = 1 / E[S]`` answers/s for the
+trace's lengths; 2 workers sustain ``2·mu``. The trace (its first ``--requests`` requests) is rate-scaled so its
+mean arrival rate is k × 2·mu for k = 1, 2, 4. Tiers 20% vip / 60% standard / 20% free (seeded); SLO TTFT ≤ 1 s
+for vip and ≤ 5 s for the others, in simulated time: every duration of the simulated GPU is multiplied by
+``--time-scale`` (``sim.time_scale``), and so are the SLOs and the tiers' queue deadlines, so the bench is the same
+experiment at a pace this 2-core machine can drive. Side by side in the same run: admission off
+(``SLUICE_ADMISSION__ENABLED=false``: one FIFO queue, no deadlines, no caps).
+
+Writes ``bench/results/replay_bench.json`` (per run: the per-tier summary) and two PNGs per run under
+``bench/results/replay_bench/``. Checks at 2× (issue 3 targets): vip SLO attainment ≥ 99%, total goodput ≥ 2× the
+FIFO baseline's, no request waited past its tier's deadline (``x-sluice-queue-ms``), every rejection carried
+``Retry-After``.
+
+    .venv/bin/python -m bench.replay_bench [--requests 300] [--time-scale 2] [--multiples 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadtest.harness import SimGateway, replay  # noqa: E402
+from loadtest.plots import plot_replay  # noqa: E402
+from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from loadtest.summary import format_table, summarize  # noqa: E402
+from loadtest.traces import assign_tiers, load_trace, parse_mix, shape_trace, trace_stats  # noqa: E402
+from shared.config import DEFAULT_TIERS, SimConfig, WorkerConfig  # noqa: E402
+from sluice.plan import WorkerModel, service_profile, workload_from_trace  # noqa: E402
+
+TIER_MIX = "vip=0.2,standard=0.6,free=0.2"
+SLO_TTFT_S = {"vip": 1.0, "standard": 5.0, "free": 5.0}
+# the tiers' real-time queue deadlines (config.toml) before time scaling, seconds
+QUEUE_TIMEOUT_S = {tier.name: tier.queue_timeout_s for tier in DEFAULT_TIERS}
+
+
+def bench_config(time_scale: float) -> str:
+    """Return the gateway config of the bench: default tier vip (the header lowers it), deadlines time-scaled."""
+    lines = ['default_tier = "vip"', "", "[sim]", f"time_scale = {time_scale}", ""]
+    for tier in DEFAULT_TIERS:
+        lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
+                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {tier.queue_timeout_s * time_scale}",
+                  f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
+                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}", ""]
+    return "\n".join(lines)
+
+
+def capacity_per_worker(requests, time_scale: float) -> float:
+    """Return the planner's saturation rate of one sim worker for these requests, answers/s (wall clock)."""
+    from msgspec.structs import replace
+
+    model = WorkerModel.from_roofline(replace(SimConfig(), time_scale=time_scale), WorkerConfig())
+    workload = workload_from_trace(requests, 30.0, SimConfig().max_model_len_tokens)
+    return service_profile(model, workload.input_tokens, workload.output_tokens).saturation_rate_per_s
+
+
+def max_queue_overrun_ms(results, time_scale: float) -> float | None:
+    """Return the largest (queue wait − tier deadline) in ms over OK requests, or None without the header."""
+    overruns = [r.queue_ms - QUEUE_TIMEOUT_S.get(r.tier, 0.0) * time_scale * 1000 for r in results
+                if r.outcome == "ok" and r.queue_ms is not None]
+    return max(overruns) if overruns else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument("--multiples", default="1,2,4")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--modes", default="admission,fifo")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    plot_dir = out_dir / "replay_bench"
+    time_scale = args.time_scale
+    slo = {tier: s * time_scale for tier, s in SLO_TTFT_S.items()}
+    base = shape_trace(load_trace("azure-code"), max_requests=args.requests)
+    mu = capacity_per_worker(assign_tiers(base, parse_mix(TIER_MIX)), time_scale)
+    capacity = args.workers * mu
+    base_rate = trace_stats(base).rate_per_s
+    multiples = [float(m) for m in args.multiples.split(",")]
+    print(f"capacity of {args.workers} sim workers (planner, time_scale {time_scale}): {capacity:.2f} answers/s; "
+          f"trace rate at 1x: {base_rate:.3f}/s")
+    builder = PromptBuilder(load_tokenizer())
+    runs = []
+    started = time.time()
+    salt = 0
+    for mode in args.modes.split(","):
+        env = {"SLUICE_ADMISSION__ENABLED": "false"} if mode == "fifo" else {}
+        with SimGateway(args.workers, bench_config(time_scale), env) as gateway:
+            for k in multiples:
+                rate_scale = k * capacity / base_rate
+                requests = assign_tiers(shape_trace(base, rate_scale=rate_scale), parse_mix(TIER_MIX), seed=0)
+                salt += 1
+                run = replay(gateway, requests, slo, builder, prompt_salt=salt,
+                             drain_timeout_s=max(30.0, 10 * slo["standard"]))
+                summary = summarize(run.results, slo)
+                name = f"{mode}_{k:g}x"
+                print(f"\n== {name}: {len(requests)} requests at {trace_stats(requests).rate_per_s:.2f}/s "
+                      f"(rate scale {rate_scale:.2f}), wall {run.wall_s:.1f} s")
+                print(format_table(summary))
+                paths = plot_replay(run.results, run.status_samples, plot_dir, slo, prefix=name,
+                                    title=f"azure-code, {k:g}x capacity of {args.workers} sim workers, {mode}")
+                runs.append({"name": name, "mode": mode, "multiple": k, "rate_scale": rate_scale,
+                             "num_requests": len(requests), "wall_s": run.wall_s, "summary": summary,
+                             "max_queue_overrun_ms": max_queue_overrun_ms(run.results, time_scale),
+                             "plots": [str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+                                       for p in paths]})
+    by_name = {r["name"]: r for r in runs}
+    checks = {}
+    if "admission_2x" in by_name and "fifo_2x" in by_name:
+        adm, fifo = by_name["admission_2x"]["summary"], by_name["fifo_2x"]["summary"]
+        overrun = by_name["admission_2x"]["max_queue_overrun_ms"]
+        checks = {
+            "vip_attainment_2x": adm["tiers"]["vip"]["slo_attainment"],
+            "vip_attainment_ge_99pct": adm["tiers"]["vip"]["slo_attainment"] >= 0.99,
+            "goodput_2x_admission_per_s": adm["all"]["goodput_per_s"],
+            "goodput_2x_fifo_per_s": fifo["all"]["goodput_per_s"],
+            "goodput_ge_2x_fifo": adm["all"]["goodput_per_s"] >= 2 * fifo["all"]["goodput_per_s"],
+            "max_queue_overrun_ms": overrun,
+            "no_wait_past_deadline": None if overrun is None else overrun <= 0,
+            "every_rejection_has_retry_after": all(
+                r["summary"]["all"]["all_rejections_have_retry_after"] for r in runs if r["mode"] == "admission"),
+        }
+        print("\nchecks at 2x:", json.dumps(checks, indent=1))
+    result = {"trace": "azure-code", "requests_per_run": args.requests, "time_scale": time_scale,
+              "slo_ttft_s_scaled": slo, "tier_mix": TIER_MIX, "capacity_per_worker_per_s": mu,
+              "capacity_per_s": capacity, "workers": args.workers, "trace_rate_1x_per_s": base_rate,
+              "bench_wall_s": time.time() - started, "runs": runs, "checks_2x": checks}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "replay_bench.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_dir / 'replay_bench.json'} in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

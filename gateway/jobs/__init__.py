@@ -1,0 +1,79 @@
+"""Async jobs: the native job API, the OpenAI Files + Batch APIs, a durable store and the idle-capacity runner.
+
+DESIGN.md, Gateway → Async jobs; issue 6. The app calls :func:`setup_jobs` once, at the end of ``build_app``:
+it adds the routes and one ``cleanup_ctx`` (opened after the workers, so closed before them) that opens the store
+(``[jobs] store``: SQLite file or Redis), starts the runner, and on shutdown puts running jobs back in the queue.
+
+Modules, in call order: ``models`` (records and their JSON views) → ``store`` (the interface) →
+``sqlite_store`` / ``redis_store`` → ``runner`` (claim, lease, execute, expire, finalize) → ``api`` (``/v1/jobs``,
+ownership, deferral of shed requests) → ``batches`` (``/v1/files``, ``/v1/batches``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway.jobs.api import JOBS, JobsService, setup_job_routes
+from gateway.jobs.batches import finalize_batch, setup_batch_routes
+from gateway.jobs.runner import JobRunner, PoolIdleCapacity
+from gateway.jobs.store import make_store
+from gateway.state import ADMISSION, CONFIG, POOL
+from gateway.tiers import Principal
+from shared.config import effective_tiers
+
+__all__ = ["JOBS", "setup_jobs"]
+
+JOBS_TENANT = "jobs"
+
+
+def _lowest_tier_principal(app: web.Application) -> Principal:
+    """Return the principal jobs run as: the lowest-priority tier (``batch`` by default), no per-minute limits."""
+    tier = min(effective_tiers(app[CONFIG]), key=lambda t: t.priority)
+    return Principal(tenant=JOBS_TENANT, tier=tier, key_tier=tier, rate_limit_key=JOBS_TENANT, rpm_limit=0,
+                     tpm_limit=0)
+
+
+async def _jobs_ctx(app: web.Application) -> AsyncIterator[None]:
+    from gateway import handlers  # handlers imports gateway.jobs.api: import it once both are loaded
+
+    config = app[CONFIG]
+    store = make_store(config.jobs)
+    await store.open()
+    principal = _lowest_tier_principal(app)
+
+    async def execute(kind: str, body: bytes, request_id: str, on_admitted: Callable[[], None]) -> dict[str, Any]:
+        return await handlers.run_completion(app, kind, body, principal=principal, request_id=request_id,
+                                             on_admitted=on_admitted)
+
+    def queue_depths() -> dict[str, int]:
+        return {name: tier["queue_depth"] for name, tier in app[ADMISSION].snapshot()["tiers"].items()}
+
+    service: JobsService | None = None
+
+    async def finalize(batch_id: str) -> None:
+        await finalize_batch(service, batch_id)
+
+    def jobs_blocked() -> bool:
+        admission = app[ADMISSION]
+        return admission.draining or admission.pressure.sheds(principal.tier.name)
+
+    capacity = PoolIdleCapacity(queue_depths, lambda: app[POOL].clients, jobs_blocked)
+    runner = JobRunner(store, config.jobs, execute, capacity, finalize)
+    service = JobsService(store=store, runner=runner, config=config)
+    app[JOBS] = service
+    runner.start()
+    try:
+        yield
+    finally:
+        await runner.close()
+        await store.close()
+
+
+def setup_jobs(app: web.Application) -> None:
+    """Add the job, file and batch routes and the jobs resource (store + runner) to the app."""
+    setup_job_routes(app)
+    setup_batch_routes(app)
+    app.cleanup_ctx.append(_jobs_ctx)

@@ -1,0 +1,680 @@
+"""Overload behaviour end to end: real ``sluice serve`` gateways and sim-worker processes over loopback.
+
+The sim backend (worker/backends/sim.py, a roofline SIMULATOR, slowed with ``sim.time_scale`` so that one decode
+step takes about 0.1 s on any CPU) with ``max_num_seqs = 2`` makes a worker that saturates with two requests, so
+the gateway's admission queues fill. Tiers, pressure thresholds and deadlines are small (``OVERLOAD_CONFIG``) so
+that each rule shows within a second or two.
+
+Worker-health tests run a second gateway connected (``--worker-address``) to a real sim worker, two worker test
+doubles that speak the real protocol but stay silent or stall on command (tests/gateway/fake_worker.py), and an
+address where nothing listens.
+
+Named after the behaviour cases of ../shared/cases/gateway_cases.jsonl (BC03, BC20, BC25, BC26, BC28).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import REPO_ROOT, _alive, _child_pids, _free_port, get_json
+from tests.gateway.fake_worker import FakeWorker, FakeWorkers
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+STEP_S = 0.1  # one simulated decode step: (weights ÷ HBM bandwidth + overhead) × time_scale 15 ≈ 0.1 s
+
+OVERLOAD_CONFIG = """
+[model]
+max_model_len_tokens = 2048
+
+[gateway]
+max_tokens_cap = 1024
+default_max_tokens = 16
+drain_timeout_s = 10.0
+
+[worker]
+backend = "sim"
+max_num_seqs = 2
+capacity_interval_s = 0.1
+
+[sim]
+time_scale = 15.0
+kv_cache_gib = 0.25          # 128 blocks of 16 tokens (2 MiB each for the simulated 8B model)
+max_model_len_tokens = 2048
+
+[admission]
+aging_rate_per_s = 0.5       # a standard request passes a fresh vip after 2 s of waiting
+
+[[tiers]]
+name = "vip"
+priority = 3
+queue_capacity = 8
+queue_timeout_s = 20.0
+default_max_tokens = 16
+max_tokens = 1024
+reserved_kv_fraction = 0.5   # 64 of the 128 blocks
+
+[[tiers]]
+name = "standard"
+priority = 2
+queue_capacity = 16
+queue_timeout_s = 30.0
+default_max_tokens = 16
+max_tokens = 1024
+
+[[tiers]]
+name = "free"
+priority = 1
+queue_capacity = 2
+queue_timeout_s = 30.0
+default_max_tokens = 8
+max_tokens = 12
+
+[[tiers]]
+name = "batch"
+priority = 0
+queue_capacity = 8
+queue_timeout_s = 1.5
+default_max_tokens = 16
+max_tokens = 1024
+
+[[api_keys]]
+key = "sk-vip"
+tenant = "vip-customer"
+tier = "vip"
+
+[[api_keys]]
+key = "sk-limited"
+tenant = "limited"
+tier = "standard"
+rpm_limit = 2
+
+[pressure]
+min_dwell_s = 1.0
+
+[pressure.elevated]
+enter_queue_wait_s = 2.0
+leave_queue_wait_s = 1.0
+enter_kv_used_fraction = 0.97
+leave_kv_used_fraction = 0.9
+max_tokens_by_tier = { vip = 6, standard = 6 }
+
+[pressure.critical]
+enter_queue_wait_s = 1000.0
+leave_queue_wait_s = 900.0
+enter_kv_used_fraction = 0.99
+leave_kv_used_fraction = 0.98
+"""
+
+HEALTH_CONFIG = """
+[model]
+max_model_len_tokens = 2048
+
+[gateway]
+max_tokens_cap = 64
+default_max_tokens = 8
+first_token_timeout_s = 0.8
+stall_timeout_s = 0.8
+drain_timeout_s = 5.0
+
+[worker]
+backend = "sim"
+max_num_seqs = 4
+capacity_interval_s = 0.1
+
+[sim]
+time_scale = 5.0
+kv_cache_gib = 0.25
+max_model_len_tokens = 2048
+
+[breaker]
+failure_threshold = 2
+cooldown_s = 1.5
+"""
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Gateway:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def status(self) -> dict:
+        return get_json(self.base_url + "/status")[1]
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+
+
+def _start_gateway(workdir: Path, config_text: str, worker_addresses: list[str] = ()) -> Gateway:
+    config_path = workdir / "config.toml"
+    config_path.write_text(config_text)
+    port = _free_port()
+    log_path = workdir / "serve.log"
+    argv = [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(port)]
+    for address in worker_addresses:
+        argv += ["--worker-address", address]
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(argv, cwd=REPO_ROOT, env=_clean_env(), stdout=log_file, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    return Gateway(f"http://127.0.0.1:{port}", process, log_path)
+
+
+def _wait_ready(gateway: Gateway, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gateway.process.poll() is not None:
+            pytest.fail(f"sluice serve exited with {gateway.process.returncode}:\n{gateway.log_tail()}")
+        try:
+            if get_json(gateway.base_url + "/readyz", timeout_s=2.0)[0] == 200:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"sluice serve not ready:\n{gateway.log_tail()}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def overload(tmp_path_factory) -> Gateway:
+    """A gateway with one local sim worker (max_num_seqs 2) and the small tiers of ``OVERLOAD_CONFIG``."""
+    gateway = _start_gateway(tmp_path_factory.mktemp("overload"), OVERLOAD_CONFIG)
+    try:
+        _wait_ready(gateway)
+        yield gateway
+    finally:
+        workers = _child_pids(gateway.process.pid)
+        _stop(gateway.process)
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------- HTTP helpers
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    elapsed_s: float
+    started_s: float = 0.0
+
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def retry_after_s(self) -> int:
+        return int(self.headers["retry-after"])
+
+    @property
+    def error_code(self) -> str:
+        return self.json()["error"]["code"]
+
+    def events(self) -> list:
+        return [line[len(b"data: "):] for line in self.body.split(b"\n\n") if line.startswith(b"data: ")]
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
+def _chat(content: str = "hi", **kwargs) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kwargs}
+
+
+def _tier(tier: str) -> dict[str, str]:
+    """Headers that put a request in ``tier``: vip needs its API key; lower tiers lower the default (standard)."""
+    if tier == "vip":
+        return {"Authorization": "Bearer sk-vip"}
+    return {"x-sluice-tier": tier}
+
+
+async def post(http: aiohttp.ClientSession, base_url: str, body: dict, path: str = CHAT,
+               headers: dict[str, str] | None = None, on_first_byte: asyncio.Event | None = None) -> Reply:
+    started_s = time.monotonic()
+    async with http.post(base_url + path, json=body, headers=headers or {}) as response:
+        chunks = []
+        async for chunk in response.content.iter_any():
+            if on_first_byte is not None:
+                on_first_byte.set()
+            chunks.append(chunk)
+        return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, b"".join(chunks),
+                     time.monotonic() - started_s, started_s)
+
+
+async def stream_times(http: aiohttp.ClientSession, base_url: str, body: dict, headers: dict[str, str]) -> dict:
+    """Stream a chat request; return the status, the time of its first content token and of ``[DONE]``."""
+    times = {"first_token_s": None, "done_s": None, "status": None, "queue_ms": None}
+    async with http.post(base_url + CHAT, json={**body, "stream": True}, headers=headers) as response:
+        times["status"] = response.status
+        times["queue_ms"] = response.headers.get("x-sluice-queue-ms")
+        async for line in response.content:
+            if line.startswith(b"data: [DONE]"):
+                times["done_s"] = time.monotonic()
+            elif line.startswith(b"data: ") and times["first_token_s"] is None:
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    times["first_token_s"] = time.monotonic()
+    return times
+
+
+class Saturation:
+    """Long streaming requests in the background; cancelling them closes their connections (the gateway aborts)."""
+
+    def __init__(self, http: aiohttp.ClientSession, base_url: str) -> None:
+        self.http = http
+        self.base_url = base_url
+        self.tasks: list[asyncio.Task] = []
+
+    def add(self, tier: str, max_tokens: int, count: int = 1) -> None:
+        for _ in range(count):
+            body = _chat("Write the numbers from 1 to 5000.", max_tokens=max_tokens, stream=True)
+            self.tasks.append(asyncio.create_task(post(self.http, self.base_url, body, headers=_tier(tier))))
+
+    async def release(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+
+
+async def wait_status(gateway: Gateway, predicate, timeout_s: float = 10.0) -> dict:
+    """Poll ``/status`` until ``predicate(status)``; fail with the last status otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await asyncio.to_thread(gateway.status)
+        if predicate(status):
+            return status
+        if time.monotonic() > deadline:
+            pytest.fail(f"/status never matched: {json.dumps(status)[:3000]}")
+        await asyncio.sleep(0.05)
+
+
+def tier_stats(status: dict, tier: str) -> dict:
+    return status["admission"]["tiers"][tier]
+
+
+def _idle(status: dict) -> bool:
+    tiers = status["admission"]["tiers"].values()
+    return all(t["queue_depth"] == 0 and t["in_flight"] == 0 for t in tiers) and status["active_requests"] == 0
+
+
+async def settle(gateway: Gateway, timeout_s: float = 15.0) -> dict:
+    """Wait until nothing is queued or running, the worker holds no KV and the pressure is back to normal."""
+    return await wait_status(gateway, lambda s: _idle(s) and s["pressure"]["level"] == "normal"
+                             and s["workers"][0]["capacity"]["num_running"] == 0, timeout_s)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- admission
+
+
+async def test_sim_worker_is_named_a_simulator_on_status_and_metrics(overload, http):
+    status = overload.status()
+    worker = status["workers"][0]
+    assert worker["backend"] == "sim" and worker["simulator"] is True and worker["hello"]["device"] == "sim:roofline"
+    async with http.get(overload.base_url + "/metrics") as response:
+        text = await response.text()
+    assert metric_value(text, "sluice_worker_ready", worker="local-0", backend="sim") == 1.0
+    assert metric_value(text, "sluice_worker_info", backend="sim", device="sim:roofline") == 1.0
+    assert metric_value(text, "sluice_breaker_state", worker="local-0", backend="sim") == 0.0
+    assert metric_value(text, "sluice_pressure_level") == 0.0
+    if worker["capacity"].get("kv_stats"):  # the worker's KV statistics, one gauge per Capacity.kv_stats key
+        assert any(line.startswith("sluice_worker_kv_") and 'backend="sim"' in line for line in text.splitlines())
+    for tier in ("vip", "standard", "free", "batch"):
+        assert metric_value(text, "sluice_queue_depth", tier=tier) == 0.0
+    reply = await post(http, overload.base_url, _chat(max_tokens=3))
+    assert reply.status == 200 and float(reply.headers["x-sluice-queue-ms"]) >= 0.0
+
+
+async def test_bc26_rate_limit_is_429_rate_limit_exceeded_with_retry_after(overload, http):
+    key = {"Authorization": "Bearer sk-limited"}
+    replies = [await post(http, overload.base_url, _chat(max_tokens=1), headers=key) for _ in range(3)]
+    assert [r.status for r in replies] == [200, 200, 429]
+    limited = replies[2]
+    assert limited.error_code == "rate_limit_exceeded" and limited.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= limited.retry_after_s <= 31  # one request of 2 per minute refills in 30 s
+    status = overload.status()
+    assert tier_stats(status, "standard")["rejected"]["rate_limit_exceeded"] >= 1
+
+
+async def test_bc25_bc26_queue_full_is_503_queue_full_with_retry_after_and_json_not_sse(overload, http):
+    await settle(overload)
+    saturation = Saturation(http, overload.base_url)
+    saturation.add("free", max_tokens=12, count=2)  # running (max_num_seqs 2)
+    await wait_status(overload, lambda s: tier_stats(s, "free")["in_flight"] == 2)
+    saturation.add("free", max_tokens=12, count=2)  # fill the free queue (capacity 2)
+    try:
+        status = await wait_status(overload, lambda s: tier_stats(s, "free")["queue_depth"] == 2)
+        a = await post(http, overload.base_url, _chat(max_tokens=4), headers=_tier("free"))
+        b = await post(http, overload.base_url, _chat(max_tokens=4, stream=True), headers=_tier("free"))
+        repeats = await asyncio.gather(*(post(http, overload.base_url, _chat(max_tokens=4), headers=_tier("free"))
+                                         for _ in range(10)))
+        for reply in (a, b, *repeats):
+            assert reply.status == 503 and reply.error_code == "queue_full", reply.body
+            assert reply.headers["retry-after"].isdigit() and reply.retry_after_s >= 1
+            assert reply.elapsed_s < 1.0  # at once, not after waiting
+        assert b.headers["content-type"].startswith("application/json") and not b.body.startswith(b"data:")
+        # Retry-After is the drain time of the queue at the measured rate, not a constant (BC25)
+        predicted_s = tier_stats(status, "free")["predicted_wait_s"]
+        assert predicted_s is not None and predicted_s > 0
+        assert abs(a.retry_after_s - predicted_s) <= max(3.0, 0.5 * predicted_s), (a.retry_after_s, predicted_s)
+    finally:
+        await saturation.release()
+    status = await wait_status(overload, lambda s: tier_stats(s, "free")["queue_depth"] == 0, 2.0)
+    assert tier_stats(status, "free")["rejected"]["queue_full"] >= 12
+
+
+async def test_bc03_queued_request_whose_client_leaves_is_removed_and_never_dispatched(overload, http):
+    await settle(overload)
+    saturation = Saturation(http, overload.base_url)
+    saturation.add("standard", max_tokens=200, count=2)
+    await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 2)
+    before = tier_stats(overload.status(), "standard")
+    queued = asyncio.create_task(post(http, overload.base_url, _chat("Say hello.", max_tokens=8),
+                                      headers=_tier("standard")))
+    await wait_status(overload, lambda s: tier_stats(s, "standard")["queue_depth"] == 1)
+    await asyncio.sleep(0.2)
+    queued.cancel()  # tcp close while it waits in the admission queue
+    left_s = time.monotonic()
+    status = await wait_status(overload, lambda s: tier_stats(s, "standard")["queue_depth"] == 0, 2.0)
+    assert time.monotonic() - left_s < 0.5
+    assert tier_stats(status, "standard")["cancelled"] == before["cancelled"] + 1
+    await saturation.release()
+    await asyncio.sleep(0.5)
+    after = tier_stats(overload.status(), "standard")
+    assert after["admitted"] == before["admitted"]  # only the saturation requests were ever dispatched
+    await settle(overload)
+
+
+async def test_bc26_queue_timeout_sheds_at_the_deadline_and_early_rejection_at_arrival(overload, http):
+    await settle(overload)
+    saturation = Saturation(http, overload.base_url)
+    saturation.add("standard", max_tokens=200, count=2)
+    try:
+        await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 2
+                          and s["admission"]["drain_rate_tokens_per_s"] > 0)
+        waiting = asyncio.create_task(post(http, overload.base_url, _chat(max_tokens=100), headers=_tier("batch")))
+        await wait_status(overload, lambda s: tier_stats(s, "batch")["queue_depth"] == 1)
+        # predicted wait = the queued batch request's work ÷ measured drain rate > its 1.5 s deadline
+        early = await post(http, overload.base_url, _chat(max_tokens=4), headers=_tier("batch"))
+        assert early.status == 503 and early.error_code == "predicted_queue_timeout", early.body
+        assert early.elapsed_s < 0.5 and early.retry_after_s >= 1
+        timed_out = await waiting
+        assert timed_out.status == 503 and timed_out.error_code == "queue_timeout", timed_out.body
+        assert 1.5 <= timed_out.elapsed_s <= 2.5  # shed at the configured timeout, not later and not never
+        assert timed_out.retry_after_s >= 1
+    finally:
+        await saturation.release()
+    stats = tier_stats(overload.status(), "batch")
+    assert stats["admitted"] == 0 and stats["rejected"]["queue_timeout"] == 1
+
+
+async def test_reserved_share_keeps_room_for_the_top_tier(overload, http):
+    await settle(overload)
+    saturation = Saturation(http, overload.base_url)
+    saturation.add("standard", max_tokens=900)  # (prompt + 900) / 16 ≈ 59 blocks of 128
+    try:
+        await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 1)
+        saturation.add("standard", max_tokens=900)  # 118 blocks would eat into vip's unused 64: held back
+        status = await wait_status(overload, lambda s: tier_stats(s, "standard")["queue_depth"] == 1)
+        await asyncio.sleep(0.3)
+        status = overload.status()
+        assert tier_stats(status, "standard")["queue_depth"] == 1 and tier_stats(status, "standard")["in_flight"] == 1
+        assert status["workers"][0]["reservations"] == 1  # a sequence slot is free, yet standard may not take it
+        vip = await post(http, overload.base_url, _chat(max_tokens=4), headers=_tier("vip"))
+        assert vip.status == 200 and float(vip.headers["x-sluice-queue-ms"]) < 300
+        assert vip.elapsed_s < 10 * STEP_S + 1.0
+    finally:
+        await saturation.release()
+
+
+async def test_bc28_top_tier_starts_within_one_step_of_capacity_freeing(overload, http):
+    await settle(overload)
+    body = _chat("Write the numbers from 1 to 5000.")
+    low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": m}, _tier("free")))
+           for m in (6, 12)]
+    await wait_status(overload, lambda s: tier_stats(s, "free")["in_flight"] == 2)
+    queued_low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": 12},
+                                                   _tier("free"))) for _ in range(2)]
+    await wait_status(overload, lambda s: tier_stats(s, "free")["queue_depth"] == 2)
+    await asyncio.sleep(0.3)
+    high = await stream_times(http, overload.base_url, _chat("Explain TCP.", max_tokens=5), _tier("vip"))
+    lows = await asyncio.gather(*low)
+    queued = await asyncio.gather(*queued_low)
+    assert high["status"] == 200 and all(r["status"] == 200 for r in lows + queued)
+    capacity_freed_s = min(r["done_s"] for r in lows)
+    # the vip request jumps the two queued free requests and starts within about one worker step
+    assert high["first_token_s"] - capacity_freed_s <= 2 * STEP_S + 0.3, (high, lows)
+    assert all(high["first_token_s"] < r["first_token_s"] for r in queued)
+    assert float(high["queue_ms"]) > 100  # it did wait for capacity
+
+
+async def test_bc28_a_lower_tier_is_not_starved_by_a_top_tier_flood(overload, http):
+    await settle(overload)
+    stop = asyncio.Event()
+
+    async def flood() -> int:
+        served = 0
+        while not stop.is_set():
+            reply = await post(http, overload.base_url, _chat("Count to 20.", max_tokens=4), headers=_tier("vip"))
+            served += reply.status == 200
+        return served
+
+    flooders = [asyncio.create_task(flood()) for _ in range(4)]
+    try:
+        await wait_status(overload, lambda s: tier_stats(s, "vip")["queue_depth"] >= 1)
+        starved = await asyncio.wait_for(
+            post(http, overload.base_url, _chat("Say hi.", max_tokens=4), headers=_tier("standard")), 10.0)
+    finally:
+        stop.set()
+        served = await asyncio.gather(*flooders)
+    assert starved.status == 200, starved.body
+    # it waited behind the flood, then aging (0.5 priority points per s) let it pass the fresh vip requests
+    assert float(starved.headers["x-sluice-queue-ms"]) > 500
+    assert starved.elapsed_s < 8.0 and sum(served) >= 4
+
+
+async def test_bc20_pressure_levels_tighten_each_tiers_cap_and_relax_again(overload, http):
+    status = await settle(overload)
+    transitions = status["pressure"]["num_transitions"]
+    normal, free = await asyncio.gather(
+        post(http, overload.base_url, _chat(max_tokens=12), headers=_tier("vip")),
+        post(http, overload.base_url, _chat(max_tokens=10_000), headers=_tier("free")))
+    assert normal.json()["usage"]["completion_tokens"] == 12
+    assert free.json()["usage"]["completion_tokens"] == 12 and free.json()["choices"][0]["finish_reason"] == "length"
+    saturation = Saturation(http, overload.base_url)
+    saturation.add("standard", max_tokens=900)
+    try:
+        await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 1)
+        saturation.add("standard", max_tokens=900)  # queued (vip's share): ~30 s of predicted wait
+        await wait_status(overload, lambda s: s["pressure"]["level"] == "elevated")
+        async with http.get(overload.base_url + "/metrics") as response:
+            assert metric_value(await response.text(), "sluice_pressure_level") == 1.0
+        bodies = [_chat(max_tokens=12), _chat(), _chat(max_completion_tokens=10_000),
+                  _chat(max_tokens=12, stream=True, stream_options={"include_usage": True})]
+        replies = [await post(http, overload.base_url, body, headers=_tier("vip")) for body in bodies]
+        for reply in replies[:3]:
+            assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 6  # elevated vip cap
+            assert reply.json()["choices"][0]["finish_reason"] == "length"
+        usage = [json.loads(e) for e in replies[3].events() if e != b"[DONE]" and b'"usage"' in e]
+        assert usage[-1]["usage"]["completion_tokens"] == 6
+    finally:
+        await saturation.release()
+    status = await settle(overload)  # hysteresis: back to normal once the queue is gone and the dwell has passed
+    assert status["pressure"]["num_transitions"] >= transitions + 2
+    relaxed = await post(http, overload.base_url, _chat(max_tokens=12), headers=_tier("vip"))
+    assert relaxed.json()["usage"]["completion_tokens"] == 12
+
+
+async def test_n2_choices_are_admitted_as_two_tickets_of_the_request(overload, http):
+    await settle(overload)
+    before = tier_stats(overload.status(), "standard")["admitted"]
+    reply = await post(http, overload.base_url, _chat(max_tokens=3, n=2))
+    assert reply.status == 200 and [c["index"] for c in reply.json()["choices"]] == [0, 1]
+    assert tier_stats(overload.status(), "standard")["admitted"] == before + 2
+
+
+async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overload, http):
+    await settle(overload)
+    worker_pids = _child_pids(overload.process.pid)
+    first_byte = asyncio.Event()
+    running = asyncio.create_task(post(http, overload.base_url, _chat(max_tokens=15, stream=True),
+                                       on_first_byte=first_byte))
+    await asyncio.wait_for(first_byte.wait(), 10)
+    overload.process.send_signal(signal.SIGTERM)
+    signalled_s = time.monotonic()
+    await asyncio.sleep(0.2)
+    rejected = await post(http, overload.base_url, _chat(max_tokens=4))
+    assert rejected.status == 503 and rejected.error_code == "server_draining" and rejected.retry_after_s >= 1
+    assert get_json(overload.base_url + "/readyz")[0] == 503
+    done = await running
+    events = done.events()
+    assert done.status == 200 and events[-1] == b"[DONE]" and b'"finish_reason":"length"' in b"".join(events)
+    returncode = await asyncio.to_thread(overload.process.wait, 30)
+    assert returncode == 0 and time.monotonic() - signalled_s < 10.0
+    await asyncio.sleep(0.5)
+    assert worker_pids and not any(_alive(pid) for pid in worker_pids)  # the local worker was stopped too
+
+
+# ---------------------------------------------------------------------------------------------- worker health
+
+
+@pytest.fixture(scope="module")
+def health(tmp_path_factory, tokenizer):
+    """A gateway over: fake A (silent, biggest KV), fake B (silent), a real sim worker, and a dead address."""
+    workdir = tmp_path_factory.mktemp("health")
+    config_path = workdir / "worker.toml"
+    config_path.write_text(HEALTH_CONFIG)
+    sim_port, dead_port = _free_port(), _free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "sluice.cli", "worker", "--listen", f"127.0.0.1:{sim_port}",
+                            "--config", str(config_path), "--worker-id", "sim-0"], cwd=REPO_ROOT, env=_clean_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    token_id = tokenizer.encode_text_sync(" hello")[0]
+    fakes = FakeWorkers([FakeWorker("fake-a", 3_000_000, token_id=token_id),
+                         FakeWorker("fake-b", 2_000_000, token_id=token_id)])
+    with fakes:
+        addresses = [f"127.0.0.1:{w.port}" for w in fakes.workers] + [f"127.0.0.1:{sim_port}",
+                                                                       f"127.0.0.1:{dead_port}"]
+        gateway = _start_gateway(workdir, HEALTH_CONFIG, addresses)
+        try:
+            _wait_ready(gateway)
+            deadline = time.monotonic() + 120
+            while sum(w["ready"] for w in gateway.status()["workers"]) < 3 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            yield gateway, fakes, sim
+        finally:
+            _stop(gateway.process)
+            _stop(sim)
+
+
+def _workers_by_name(status: dict) -> dict[str, dict]:
+    return {w["name"]: w for w in status["workers"]}
+
+
+async def test_first_token_timeout_retry_breaker_open_half_open_close(health, http):
+    gateway, fakes, _ = health
+    fake_a, fake_b = fakes.workers
+    workers = _workers_by_name(gateway.status())
+    assert workers["remote-3"]["ready"] is False  # nothing listens there: never routed to
+    assert [workers[f"remote-{i}"]["ready"] for i in range(3)] == [True, True, True]
+
+    # A accepts and stays silent: 504 worker_timeout after the retry on B (also silent); JSON, not SSE
+    plain = await post(http, gateway.base_url, {"model": MODEL, "prompt": "one", "max_tokens": 4}, COMPLETIONS)
+    assert plain.status == 504 and plain.error_code == "worker_timeout", plain.body
+    assert 1.6 <= plain.elapsed_s < 3.0  # first-token deadline (0.8 s) on A, then on B
+    assert len(fake_a.generates) == 1 and len(fake_b.generates) == 1 and len(fake_a.aborts) == 1
+    streamed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "two", "max_tokens": 4,
+                                                   "stream": True}, COMPLETIONS)
+    assert streamed.status == 504 and not streamed.body.startswith(b"data:")
+    status = gateway.status()
+    workers = _workers_by_name(status)
+    assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-1"]["breaker"]["state"] == "open"
+    async with http.get(gateway.base_url + "/metrics") as response:
+        assert metric_value(await response.text(), "sluice_breaker_state", worker="remote-0") == 2.0
+
+    # both breakers open: the sim worker serves at once and the fakes see nothing
+    served = await post(http, gateway.base_url, {"model": MODEL, "prompt": "three", "max_tokens": 4}, COMPLETIONS)
+    assert served.status == 200 and served.elapsed_s < 0.8
+    assert len(fake_a.generates) == 2 and len(fake_b.generates) == 2
+
+    # after the cooldown both are half-open; A's probe times out (open again), the retry probes B, which answers
+    fake_b.mode = "ok"
+    await asyncio.sleep(1.6)
+    assert _workers_by_name(gateway.status())["remote-0"]["breaker"]["state"] == "half_open"
+    probed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "four", "max_tokens": 4}, COMPLETIONS)
+    assert probed.status == 200 and probed.json()["usage"]["completion_tokens"] == 4
+    assert 0.8 <= probed.elapsed_s < 2.0  # retried before the first byte, on another worker
+    assert len(fake_a.generates) == 3 and len(fake_b.generates) == 3
+    workers = _workers_by_name(gateway.status())
+    assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-0"]["breaker"]["num_opens"] == 2
+    assert workers["remote-1"]["breaker"]["state"] == "closed"
+
+
+async def test_stall_after_the_first_token_is_an_in_band_error_and_504_without_a_stream(health, http):
+    gateway, fakes, _ = health
+    for fake in fakes.workers:
+        fake.mode = "stall"
+    await asyncio.sleep(1.6)  # whatever breaker is open turns half-open; either fake takes the request
+    streamed = await post(http, gateway.base_url, _chat(max_tokens=8, stream=True))
+    events = streamed.events()
+    assert streamed.status == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    assert any(b"hello" in e for e in events)
+    assert json.loads(events[-2])["error"]["code"] == "worker_timeout" and events[-1] == b"[DONE]"
+    assert 0.8 <= streamed.elapsed_s < 2.0
+    plain = await post(http, gateway.base_url, _chat(max_tokens=8))
+    assert plain.status == 504 and plain.error_code == "worker_timeout"  # no byte sent yet: a plain error
+
+
+async def test_bc26_no_worker_at_all_is_503_no_worker_available(health, http):
+    gateway, fakes, sim = health
+    fakes.stop_all()
+    sim.send_signal(signal.SIGTERM)
+    await asyncio.to_thread(sim.wait, 30)
+    await wait_status(gateway, lambda s: not any(w["ready"] for w in s["workers"]))
+    replies = [await post(http, gateway.base_url, _chat(max_tokens=4)) for _ in range(3)]
+    for reply in replies:
+        assert reply.status == 503 and reply.error_code == "no_worker_available" and reply.retry_after_s >= 1
+    assert get_json(gateway.base_url + "/readyz")[0] == 503

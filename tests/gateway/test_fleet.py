@@ -1,0 +1,543 @@
+"""Elastic capacity end to end (issue 7), with real processes over loopback: ``sluice serve`` gateways spawning
+``sluice worker`` processes on the sim backend (the roofline SIMULATOR: load at a scale no CPU can run), remote
+workers registering in the real Redis at 127.0.0.1:6379 (``make redis``), and HTTP requests.
+
+- scale up under load, drain a worker that still runs requests without aborting any, back down when idle;
+- from zero workers: a request waits through the cold start and succeeds; one whose deadline the cold start cannot
+  make gets 503 with ``Retry-After``; the measured cold start replaces the initial estimate;
+- a worker registering from another process is used; one killed is dropped, its unstarted requests succeed on
+  another worker;
+- two gateways share one API key's RPM limit through Redis;
+- degrade routing to a lighter pool only at the configured pressure, visible in ``model`` and
+  ``x-sluice-degraded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+
+from gateway.fleet import Fleet
+from gateway.metrics import Metrics
+from shared.config import Config, effective_tiers
+from shared.errors import ErrorCode, SluiceError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REDIS_URL = "redis://127.0.0.1:6379/0"
+START_TIMEOUT_S = 180.0
+MODEL = "SmolLM2-135M-Instruct"
+# The sim worker's decode step is ~7 ms of simulated H200 time; time_scale stretches it so requests last seconds.
+SIM_TIME_SCALE = 10
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict | None]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update(extra)
+    return env
+
+
+class Gateway:
+    """A ``sluice serve`` process with its own config, on a free loopback port."""
+
+    def __init__(self, config_text: str) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-fleet-")
+        self.dir = Path(self._tmp.name)
+        (self.dir / "config.toml").write_text(config_text)
+        self.log_path = self.dir / "serve.log"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> Gateway:
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "sluice.cli", "serve", "--config", str(self.dir / "config.toml"), "--port",
+                 str(self.port)], cwd=REPO_ROOT, env=clean_env(), stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        wait_for(self._up, START_TIMEOUT_S, "the gateway's /healthz")
+        return self
+
+    def _up(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"sluice serve exited with {self.process.returncode}:\n{self.log_tail()}")
+        try:
+            return get_json(self.base_url + "/healthz", 2.0)[0] == 200
+        except OSError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._tmp.cleanup()
+
+    def status(self) -> dict:
+        code, body = get_json(self.base_url + "/status")
+        assert code == 200, code
+        return body
+
+    def pool(self, name: str) -> dict:
+        return self.status()["fleet"]["pools"][name]
+
+    def log_events(self, event: str) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if f'"{event}"' in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+class Worker:
+    """A ``sluice worker --registry`` process (sim backend) on a free loopback port."""
+
+    def __init__(self, prefix: str, worker_id: str, time_scale: float, max_num_seqs: int = 2) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-worker-")
+        self.config_path = Path(self._tmp.name) / "config.toml"
+        self.config_path.write_text(
+            f'[worker]\nbackend = "sim"\nmax_num_seqs = {max_num_seqs}\n[sim]\ntime_scale = {time_scale}\n'
+            f'kv_cache_gib = 1.0\n[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\n'
+            'heartbeat_ttl_s = 1.0\n')
+        self.worker_id = worker_id
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> Worker:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "worker", "--config", str(self.config_path), "--listen",
+             f"127.0.0.1:{self.port}", "--registry", REDIS_URL, "--worker-id", self.worker_id],
+            cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._tmp.cleanup()
+
+
+@pytest.fixture(scope="module")
+def redis_prefix():
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
+    prefix = f"test-fleet-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    for key in client.scan_iter(match=prefix + "*"):
+        client.delete(key)
+    client.close()
+
+
+async def chat(session: aiohttp.ClientSession, base_url: str, content: str, max_tokens: int, *,
+               model: str = MODEL, tier: str | None = None, api_key: str | None = None,
+               stream: bool = False) -> tuple[int, dict, dict]:
+    """POST one chat completion; return (status, headers, body) — for a stream, the joined result."""
+    headers = {}
+    if tier:
+        headers["x-sluice-tier"] = tier
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=300)) as response:
+        if not stream or response.status != 200:
+            return response.status, dict(response.headers), await response.json(content_type=None)
+        result = {"model": None, "finish_reason": None, "usage": None, "error": None}
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                result["error"] = event["error"]
+                continue
+            result["model"] = event.get("model", result["model"])
+            for choice in event.get("choices") or []:
+                result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
+            if event.get("usage"):
+                result["usage"] = event["usage"]
+        return response.status, dict(response.headers), result
+
+
+# ---------------------------------------------------------------------------------------------- routing (in process)
+
+
+def routing_fleet() -> Fleet:
+    config = msgspec.convert({
+        "default_tier": "standard",
+        "tiers": [{"name": "vip", "priority": 3, "degrade_pool": "small", "degrade_at": "critical"},
+                  {"name": "standard", "priority": 2},
+                  {"name": "free", "priority": 1, "degrade_pool": "small", "degrade_at": "elevated"}],
+        "pools": [{"name": "big", "backend": "sim", "min_workers": 0, "max_workers": 0},
+                  {"name": "small", "model_name": "small-model", "backend": "sim", "min_workers": 0,
+                   "max_workers": 0}],
+    }, Config)
+    return Fleet(config, Metrics(), spawn_local=False)
+
+
+async def test_route_degrades_a_tier_only_from_its_configured_pressure_level():
+    fleet = routing_fleet()
+    tiers = {tier.name: tier for tier in effective_tiers(fleet.config)}
+    big = fleet.runtimes["big"]
+    assert fleet.model_names() == [MODEL, "small-model"]
+    route = fleet.route(MODEL, tiers["free"])
+    assert (route.runtime.name, route.degraded) == ("big", False)
+    assert fleet.route("small-model", tiers["standard"]).runtime.name == "small"
+    big.pressure.observe(queue_wait_s=2.5, kv_used_fraction=0.0)  # elevated (enter at 2 s)
+    route = fleet.route(MODEL, tiers["free"])
+    assert (route.runtime.name, route.degraded, route.requested.name) == ("small", True, "big")
+    assert fleet.route(MODEL, tiers["vip"]).runtime.name == "big"  # vip degrades only at critical
+    assert fleet.route(MODEL, tiers["standard"]).runtime.name == "big"  # no degrade pool
+    big.pressure.observe(queue_wait_s=9.0, kv_used_fraction=0.0)  # critical
+    assert fleet.route(MODEL, tiers["vip"]).degraded
+    assert fleet.snapshot()["degraded_requests"] == {"free": 1, "vip": 1}
+    assert fleet.snapshot()["pools"]["small"]["degraded_requests_in"] == {"free": 1, "vip": 1}
+    with pytest.raises(SluiceError) as info:
+        fleet.route("gpt-4", tiers["free"])
+    assert info.value.code is ErrorCode.MODEL_NOT_FOUND and "small-model" in str(info.value)
+    await fleet.close()
+
+
+async def test_pool_that_can_get_no_worker_rejects_at_once():
+    fleet = routing_fleet()
+    with pytest.raises(SluiceError) as info:
+        fleet.check_cold_start(fleet.runtimes["big"], "standard")
+    assert info.value.code is ErrorCode.NO_WORKER and info.value.retry_after_s == 1
+    assert fleet.runtimes["big"].pool.total_kv_blocks() == 0  # admission sees no capacity either
+    await fleet.close()
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+TIERS = """
+default_tier = "standard"
+
+[[tiers]]
+name = "vip"
+priority = 3
+queue_timeout_s = 15.0
+max_tokens = 2048
+
+[[tiers]]
+name = "standard"
+priority = 2
+queue_timeout_s = 120.0
+max_tokens = 2048
+
+[[tiers]]
+name = "free"
+priority = 1
+queue_timeout_s = 120.0
+max_tokens = 2048
+"""
+
+
+def test_scales_up_under_load_drains_without_aborting_and_scales_down_when_idle():
+    config = TIERS + f"""
+[sim]
+time_scale = {SIM_TIME_SCALE}
+
+[worker]
+max_num_seqs = 8
+
+[autoscale]
+interval_s = 0.25
+scale_down_utilisation = 1.0
+
+[[pools]]
+name = "sim"
+backend = "sim"
+min_workers = 1
+max_workers = 2
+scale_up_after_s = 0.5
+scale_down_after_s = 1.5
+target_queue_wait_s = 0.5
+"""
+    with Gateway(config) as gw:
+        wait_for(lambda: gw.pool("sim")["workers"]["ready"] == 1, START_TIMEOUT_S, "the first worker")
+
+        async def load():
+            async with aiohttp.ClientSession() as session:
+                # 10 requests for 8 slots: 2 wait, the queue wait is predicted above target → a second worker;
+                # the last two (which the new worker takes) are the longest, so it is drained while running them
+                lengths = [30, 30, 40, 40, 50, 50, 60, 60, 300, 300]
+                tasks = []
+                for i, n in enumerate(lengths):
+                    tasks.append(asyncio.create_task(chat(session, gw.base_url, f"request {i} " + "x " * 20, n,
+                                                          stream=True)))
+                    await asyncio.sleep(0.05)
+                return lengths, await asyncio.gather(*tasks)
+
+        lengths, results = asyncio.run(load())
+        for n, (code, _, body) in zip(lengths, results):
+            assert code == 200 and body["error"] is None, (code, body, gw.log_tail())
+            assert body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == n
+        events = gw.status()["fleet"]["scale_events"]
+        ups = [e for e in events if e["action"] == "up" and e["reason"] != "below_min_workers"]
+        assert ups, events
+        drains = gw.log_events("local_worker_draining")
+        assert drains and any(d["in_flight"] > 0 for d in drains), drains  # drained while it ran requests
+        assert not gw.log_events("local_worker_kill")
+        pool = wait_for(lambda: (p := gw.pool("sim"))["workers"] == {"starting": 0, "ready": 1, "draining": 0}
+                        and p, 30.0, "back to min_workers")
+        assert pool["worker_seconds"] > 0 and pool["num_cold_starts"] >= 2
+        metrics = urllib.request.urlopen(gw.base_url + "/metrics").read().decode()
+        assert 'sluice_scale_events_total{action="down",pool="sim"' in metrics
+        assert 'sluice_pool_workers{pool="sim",state="ready"} 1.0' in metrics
+        assert "sluice_worker_cold_start_seconds_count" in metrics
+
+
+def test_from_zero_a_request_waits_through_the_cold_start_or_gets_503_when_it_cannot_make_its_deadline():
+    config = TIERS + f"""
+[sim]
+time_scale = {SIM_TIME_SCALE}
+
+[autoscale]
+interval_s = 0.25
+initial_cold_start_s = 60.0
+
+[[pools]]
+name = "sim"
+backend = "sim"
+min_workers = 0
+max_workers = 1
+scale_down_after_s = 1.0
+"""
+    with Gateway(config) as gw:
+        assert gw.pool("sim")["workers"] == {"starting": 0, "ready": 0, "draining": 0}
+
+        async def first_requests():
+            async with aiohttp.ClientSession() as session:
+                standard = asyncio.create_task(chat(session, gw.base_url, "hello", 5))
+                await asyncio.sleep(0.5)
+                # during the cold start, the estimate (60 s, nothing measured yet) exceeds vip's 15 s deadline
+                vip = await chat(session, gw.base_url, "hello", 5, tier="vip")
+                return await standard, vip
+
+        started_s = time.monotonic()
+        (code, headers, body), (vip_code, vip_headers, vip_body) = asyncio.run(first_requests())
+        assert code == 200, (body, gw.log_tail())
+        assert body["usage"]["completion_tokens"] == 5
+        assert vip_code == 503 and vip_body["error"]["code"] == "predicted_queue_timeout", vip_body
+        assert 50 <= int(vip_headers["Retry-After"]) <= 60
+        cold_start_s = gw.pool("sim")["cold_start_s"]
+        assert 0 < cold_start_s < time.monotonic() - started_s  # measured, replaced the 60 s estimate
+        assert float(headers["x-sluice-queue-ms"]) / 1000 >= cold_start_s * 0.8  # it queued through the start
+        # idle: back to zero; now the measured cold start fits vip's deadline, so vip waits and succeeds
+        wait_for(lambda: gw.pool("sim")["workers"]["ready"] == 0 and not gw.pool("sim")["local_workers"], 30.0,
+                 "scale to zero")
+        assert cold_start_s < 15.0, "this machine starts a sim worker too slowly for the vip deadline"
+
+        async def vip_from_zero():
+            async with aiohttp.ClientSession() as session:
+                return await chat(session, gw.base_url, "hello again", 5, tier="vip")
+
+        code, _, body = asyncio.run(vip_from_zero())
+        assert code == 200, body
+        reasons = [(e["action"], e["reason"]) for e in gw.status()["fleet"]["scale_events"]]
+        assert ("up", "queued_without_worker") in reasons and ("down", "idle") in reasons
+
+
+def test_registered_worker_is_used_and_a_killed_ones_unstarted_requests_succeed_elsewhere(redis_prefix):
+    config = TIERS + f"""
+[registry]
+redis_url = "{REDIS_URL}"
+key_prefix = "{redis_prefix}"
+heartbeat_interval_s = 0.2
+heartbeat_ttl_s = 1.0
+poll_interval_s = 0.2
+
+[[pools]]
+name = "remote"
+min_workers = 0
+max_workers = 0
+"""
+    # worker A is a very slow simulated GPU: its first step takes ~14 s, so its requests have no token for long
+    with Gateway(config) as gw, Worker(redis_prefix, "slow-a", time_scale=2000) as slow:
+        wait_for(lambda: gw.pool("remote")["workers"]["ready"] == 1, START_TIMEOUT_S, "worker A to register")
+
+        async def scenario():
+            async with aiohttp.ClientSession() as session:
+                tasks = [asyncio.create_task(chat(session, gw.base_url, f"question {i}", 8)) for i in range(2)]
+                await asyncio.to_thread(wait_for, lambda: sum(w["in_flight"] for w in gw.status()["workers"]) == 2,
+                                        30.0, "both requests on worker A")
+                with Worker(redis_prefix, "fast-b", time_scale=SIM_TIME_SCALE):
+                    await asyncio.to_thread(wait_for, lambda: gw.pool("remote")["workers"]["ready"] == 2,
+                                            START_TIMEOUT_S, "worker B to register")
+                    slow.process.send_signal(signal.SIGKILL)
+                    results = await asyncio.gather(*tasks)
+                    await asyncio.to_thread(wait_for, lambda: gw.pool("remote")["remote_workers"] == [
+                        "registry-fast-b"], 10.0, "worker A dropped")
+                    after = await chat(session, gw.base_url, "after the loss", 4)
+                return results, after
+
+        results, after = asyncio.run(scenario())
+        for code, _, body in results:
+            assert code == 200 and body["usage"]["completion_tokens"] == 8, (body, gw.log_tail())
+        assert len(gw.log_events("retry_before_first_byte")) == 2
+        assert after[0] == 200
+
+
+def test_two_gateways_share_one_keys_rpm_limit(redis_prefix):
+    config = TIERS + f"""
+[registry]
+redis_url = "{REDIS_URL}"
+key_prefix = "{redis_prefix}-rl"
+heartbeat_interval_s = 0.2
+heartbeat_ttl_s = 1.0
+poll_interval_s = 0.2
+
+[ratelimit]
+backend = "redis"
+key_prefix = "{redis_prefix}-buckets"
+
+[[api_keys]]
+key = "sk-shared"
+tenant = "acme"
+tier = "standard"
+rpm_limit = 4
+
+[[pools]]
+name = "remote"
+min_workers = 0
+max_workers = 0
+"""
+    with Worker(f"{redis_prefix}-rl", "shared-w", time_scale=1), Gateway(config) as a, Gateway(config) as b:
+        for gw in (a, b):
+            wait_for(lambda: gw.pool("remote")["workers"]["ready"] == 1, START_TIMEOUT_S, "the shared worker")
+
+        async def spread():
+            async with aiohttp.ClientSession() as session:
+                out = []
+                for i in range(6):  # alternate gateways: 3 each, 6 in all, within one minute
+                    out.append(await chat(session, (a, b)[i % 2].base_url, f"hi {i}", 1, api_key="sk-shared"))
+                return out
+
+        results = asyncio.run(spread())
+        codes = [code for code, _, _ in results]
+        assert codes == [200, 200, 200, 200, 429, 429], codes
+        for code, headers, body in results[4:]:
+            assert body["error"]["code"] == "rate_limit_exceeded" and int(headers["Retry-After"]) >= 1
+
+
+def test_degrade_routing_only_at_the_configured_pressure_and_visible_in_the_response():
+    # pool "big" has 32 KV blocks of 16 tokens: one long request reserves > 85% of them → elevated pressure
+    config = """
+default_tier = "standard"
+
+[[tiers]]
+name = "standard"
+priority = 2
+queue_timeout_s = 60.0
+max_tokens = 2048
+
+[[tiers]]
+name = "free"
+priority = 1
+queue_timeout_s = 60.0
+max_tokens = 2048
+degrade_pool = "small"
+degrade_at = "elevated"
+
+[sim]
+time_scale = 5
+
+[[pools]]
+name = "big"
+backend = "sim"
+min_workers = 1
+max_workers = 1
+env = { SLUICE_SIM__KV_CACHE_GIB = "0.0625" }
+
+[[pools]]
+name = "small"
+model_name = "small-model"
+backend = "sim"
+min_workers = 1
+max_workers = 1
+"""
+    with Gateway(config) as gw:
+        wait_for(lambda: all(gw.pool(p)["workers"]["ready"] == 1 for p in ("big", "small")), START_TIMEOUT_S,
+                 "both pools")
+
+        async def scenario():
+            async with aiohttp.ClientSession() as session:
+                normal = await chat(session, gw.base_url, "hi", 4, tier="free")
+                hog = asyncio.create_task(chat(session, gw.base_url, "long one", 420))
+                await asyncio.to_thread(wait_for, lambda: gw.pool("big")["pressure"] == "elevated", 20.0,
+                                        "elevated pressure on big")
+                degraded = await chat(session, gw.base_url, "hi", 4, tier="free")
+                kept = await chat(session, gw.base_url, "hi", 4, tier="standard")  # no degrade_pool: stays
+                return normal, degraded, kept, await hog
+
+        normal, degraded, kept, hog = asyncio.run(scenario())
+        assert normal[0] == 200 and normal[2]["model"] == MODEL and "x-sluice-degraded" not in normal[1]
+        assert degraded[0] == 200, degraded
+        assert degraded[2]["model"] == "small-model" and degraded[1].get("x-sluice-degraded") == "1"
+        assert kept[0] == 200 and kept[2]["model"] == MODEL and "x-sluice-degraded" not in kept[1]
+        assert hog[0] == 200
+        status = gw.status()["fleet"]
+        assert status["degraded_requests"] == {"free": 1}
+        assert status["pools"]["small"]["degraded_requests_in"] == {"free": 1}
+        metrics = urllib.request.urlopen(gw.base_url + "/metrics").read().decode()
+        assert 'sluice_degraded_requests_total{pool="small",tier="free"} 1.0' in metrics

@@ -25,7 +25,7 @@ import structlog
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.state import ADMISSION, METRICS, GatewayOptions
+from gateway.state import FLEET, METRICS, GatewayOptions
 from shared.config import ConfigError, load_config, with_overrides
 
 log = structlog.get_logger("sluice.gateway")
@@ -62,7 +62,7 @@ async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) ->
     Returns:
         The number of requests still active when the wait ended (cancelled by the shutdown that follows).
     """
-    app[ADMISSION].start_draining()
+    app[FLEET].start_draining()  # every pool's admission
     metrics = app[METRICS]
     started_s = time.monotonic()
     log.info("gateway_draining", active_requests=metrics.num_active_requests, drain_timeout_s=timeout_s)

@@ -77,6 +77,8 @@ NO_WORKER_RETRY_AFTER_S = 1.0
 _OUTPUT_FRACTION_EWMA_WEIGHT = 0.05
 
 
+FIFO_WORKER_TIER = "fifo"
+
 class CapacityView(Protocol):
     """What admission needs from the worker pool (implemented by the gateway's ``WorkerPool``).
 
@@ -434,6 +436,11 @@ class AdmissionController:
     def draining(self) -> bool:
         """Return whether :meth:`start_draining` was called."""
         return self._draining
+
+    def worker_tier(self, tier: str) -> str:
+        """Return the tier label to send to the worker: the tier itself, or one shared label when admission is
+        off, so the worker's scheduler keeps arrival order too (the FIFO baseline of the overload benchmark)."""
+        return tier if self._enabled else FIFO_WORKER_TIER
 
     def start_draining(self) -> None:
         """Stop admitting: shed queued tickets and reject new ones with 503 ``server_draining`` (SIGTERM)."""

@@ -1,8 +1,9 @@
 """The aiohttp application: routes, the error ladder, and every resource as a ``cleanup_ctx``.
 
 Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
-metrics → tokenizer (thread pool) → workers (connections, then local worker processes) with the admission
-controller that reads their capacity. The tier resolver and the output capper are built with the app (they only
+metrics → tokenizer (thread pool) → the fleet (``gateway.fleet``: pools of workers — local processes under the
+autoscaler, ``--worker-address`` and Redis-registry workers — each pool with the admission controller that reads
+its capacity). The tier resolver and the output capper are built with the app (they only
 read the config), so a bad tiers / keys config fails at start.
 
 The error ladder (one middleware):
@@ -23,16 +24,16 @@ import structlog
 from aiohttp import web
 
 from gateway import dashboard, handlers
-from gateway.admission import AdmissionController
 from gateway.caps import OutputCapper
+from gateway.fleet import Fleet
 from gateway.jobs import setup_jobs
-from gateway.local_workers import LocalWorkerProcess
 from gateway.metrics import Metrics
 from gateway.pressure import PressureMonitor
 from gateway.state import (
     ADMISSION,
     CAPPER,
     CONFIG,
+    FLEET,
     RESOLVER,
     LOCAL_WORKERS,
     METRICS,
@@ -46,7 +47,6 @@ from gateway.state import (
 )
 from gateway.tiers import TierResolver
 from gateway.tokenize import Tokenizer
-from gateway.workers import WorkerClient, WorkerPool
 from shared.config import resolve_model_path
 from shared.errors import ErrorCode, SluiceError, error_envelope
 
@@ -158,36 +158,20 @@ async def _tokenizer_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The fleet (``gateway.fleet``): pools with their admission, local workers under the autoscaler, workers from
+    ``--worker-address`` and from the Redis registry. ``POOL`` / ``ADMISSION`` name the first pool's."""
     options, config, metrics = app[OPTIONS], app[CONFIG], app[METRICS]
-    clients: list[WorkerClient] = []
-    processes: list[LocalWorkerProcess] = []
-    if options.worker_addresses:
-        for i, address in enumerate(options.worker_addresses):
-            clients.append(WorkerClient(address, f"remote-{i}", metrics.observe_capacity,
-                                        WorkerPool.make_breaker(config.breaker)))
-    elif options.spawn_local_workers:
-        for i in range(config.worker.num_local_workers):
-            client = WorkerClient("", f"local-{i}", metrics.observe_capacity, WorkerPool.make_breaker(config.breaker))
-            process = LocalWorkerProcess(i, client, options.config_path, config.gateway.worker_restart_backoff_s,
-                                         config.gateway.worker_start_timeout_s)
-            client.address = process.address
-            clients.append(client)
-            processes.append(process)
-    pool = WorkerPool(clients)
-    admission = AdmissionController(config, pool, pressure=app[CAPPER].pressure_monitor)
-    pool.on_change = admission.on_capacity_changed  # capacity reports, Hello, lost connections, breaker verdicts
-    app[POOL] = pool
-    app[ADMISSION] = admission
-    app[LOCAL_WORKERS] = processes
-    metrics.attach_state(admission.snapshot, pool.status)
-    for process in processes:
-        process.start()
-    pool.start()
+    fleet = Fleet(config, metrics, options.config_path,
+                  spawn_local=options.spawn_local_workers and not options.worker_addresses,
+                  worker_addresses=options.worker_addresses, default_capper=app[CAPPER])
+    app[FLEET] = fleet
+    app[POOL] = fleet.default.pool
+    app[ADMISSION] = fleet.default.admission
+    app[LOCAL_WORKERS] = []  # local worker processes belong to the fleet now (``/status`` ``local_workers``)
+    metrics.attach_state(fleet.admission_snapshot, fleet.worker_status)
+    fleet.start()
     yield
-    admission.start_draining()  # anything still queued gets 503 server_draining
-    pool.on_change = None
-    await pool.close()
-    await asyncio.gather(*(p.stop() for p in processes))
+    await fleet.close()  # sheds what is still queued (503 server_draining), stops workers, closes connections
 
 
 def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,

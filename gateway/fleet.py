@@ -111,6 +111,21 @@ class ElasticWorkerPool(WorkerPool):
         blocks = super().total_kv_blocks()
         return blocks if blocks > 0 else self._prospective_kv_blocks()
 
+    def drain_rate_tokens_per_s(self) -> float:
+        """See :meth:`WorkerPool.drain_rate_tokens_per_s`, plus the workers still starting, each at the mean
+        measured rate of the serving ones.
+
+        Admission's predicted wait (work ahead ÷ this rate) then counts the capacity a scale-up is bringing, so a
+        burst is not rejected early for a wait the coming workers will cut. The cold start left is not subtracted:
+        it is short next to queue deadlines, and the deadline itself still sheds a request that waits too long.
+        """
+        rate = super().drain_rate_tokens_per_s()
+        measured = [c for c in self._serving_clients() if c.capacity is not None]
+        starting = sum(1 for c in self.clients if c.hello is None and not c.draining)
+        if rate <= 0 or not measured or not starting:
+            return rate
+        return rate * (len(measured) + starting) / len(measured)
+
 
 @dataclass(eq=False)
 class LocalWorker:
@@ -323,8 +338,7 @@ class Fleet:
     async def close(self) -> None:
         """Shed queued requests, stop the loops, stop every local worker (SIGTERM), close every connection."""
         self._closing = True
-        for runtime in self.runtimes.values():
-            runtime.admission.start_draining()
+        self.start_draining()
         for task in (self._loop_task, self._registry_task):
             if task is not None:
                 task.cancel()
@@ -344,6 +358,16 @@ class Fleet:
             await self._watcher.close()
         if self._owned_limiter and hasattr(self.limiter, "close"):
             await self.limiter.close()
+
+    def start_draining(self) -> None:
+        """Stop admitting in every pool: queued requests and new ones get 503 ``server_draining`` (SIGTERM)."""
+        for runtime in self.runtimes.values():
+            runtime.admission.start_draining()
+
+    @property
+    def draining(self) -> bool:
+        """Whether the gateway stopped admitting."""
+        return self.default.admission.draining
 
     def kick(self) -> None:
         """Run the autoscaler now instead of at the next interval."""
@@ -392,7 +416,8 @@ class Fleet:
 
         Raises:
             SluiceError: 503 ``predicted_queue_timeout`` with ``Retry-After`` = the cold start left, when the
-                expected cold start exceeds the tier's queue deadline at the current pressure; 503
+                expected cold start exceeds the tier's queue deadline at the current pressure (with
+                ``admission.early_rejection``; without, the request waits and its deadline sheds it); 503
                 ``no_worker_available`` when no worker can come at all.
         """
         if runtime.has_ready_worker():
@@ -410,7 +435,8 @@ class Fleet:
         self._enact(self.autoscaler.tick([observation]))  # start one now, even for a request rejected below
         tier_config = self._tiers[tier]
         deadline_s = runtime.pressure.queue_timeout_s(tier, tier_config.queue_timeout_s)
-        if self.config.admission.enabled and wait_s > deadline_s:
+        admission = self.config.admission
+        if admission.enabled and admission.early_rejection and wait_s > deadline_s:
             raise SluiceError(
                 ErrorCode.PREDICTED_QUEUE_TIMEOUT,
                 f"No worker of pool '{runtime.name}' is ready and starting one takes about {wait_s:.1f} s, past the "
@@ -509,10 +535,12 @@ class Fleet:
         safe_pool = _UNSAFE_PATH_CHARS.sub("_", runtime.name)
         worker_id = f"local-{os.getpid()}-{safe_pool}-{number}"
         socket_path = f"/tmp/sluice-{os.getpid()}-{safe_pool}-{number}.sock"
-        client = WorkerClient(f"unix:{socket_path}", worker_id, self.metrics.observe_capacity,
-                              WorkerPool.make_breaker(self.config.breaker))
         taken = {lw.index for lw in runtime.local.values()}
         index = next(i for i in range(len(taken) + 1) if i not in taken)
+        # the label of logs and metrics: stable per slot (a replacement keeps it), as before pools existed
+        name = f"local-{index}" if not self.config.pools else f"{safe_pool}-{index}"
+        client = WorkerClient(f"unix:{socket_path}", name, self.metrics.observe_capacity,
+                              WorkerPool.make_breaker(self.config.breaker))
         lw = LocalWorker(runtime.name, index, worker_id, socket_path, device, client, now_s)
         runtime.local[worker_id] = lw
         runtime.starts_by_index[index] += 1
@@ -599,7 +627,8 @@ class Fleet:
             runtime.last_kv_blocks = lw.client.hello.num_kv_blocks
         self.autoscaler.record_cold_start(runtime.name, lw.cold_start_s)
         self.cold_start_hist.labels(runtime.name).observe(lw.cold_start_s)
-        log.info("local_worker_ready", pool=runtime.name, worker_id=lw.worker_id, cold_start_s=round(lw.cold_start_s, 3))
+        log.info("local_worker_ready", pool=runtime.name, worker_id=lw.worker_id,
+                 cold_start_s=round(lw.cold_start_s, 3))
         runtime.admission.on_capacity_changed()
 
     def _spawn_failed(self, runtime: PoolRuntime) -> None:
@@ -689,7 +718,7 @@ class Fleet:
         """Return every worker of every pool (``WorkerPool.status`` entries with ``pool`` and ``state``)."""
         out: list[dict] = []
         for runtime in self.runtimes.values():
-            states = {lw.worker_id: lw.state.value for lw in runtime.local.values()}
+            states = {lw.client.name: lw.state.value for lw in runtime.local.values()}
             for entry in runtime.pool.status():
                 name = entry["name"]
                 entry["pool"] = runtime.name

@@ -288,7 +288,7 @@ class Generation:
             sampling=sampling,
             max_tokens=self.max_tokens[choice.prompt_index],
             stop_token_ids=self.tokenizer.eos_token_ids,
-            tier=self.tier,
+            tier=self.admission.worker_tier(self.tier),
             cache_key=self.cache_key,
             ignore_eos=self.ignore_eos,
         )

@@ -18,13 +18,12 @@ import msgspec
 from aiohttp import web
 
 from gateway import openai_api
+from gateway.fleet import Route
 from gateway.generation import FinishEvent, Generation, TextEvent
 from gateway.jobs.api import defer_shed_request
 from gateway.state import (
-    ADMISSION,
-    CAPPER,
     CONFIG,
-    LOCAL_WORKERS,
+    FLEET,
     METRICS,
     POOL,
     REQUEST_ID,
@@ -40,13 +39,20 @@ from shared.protocol import SamplingParams
 
 MAX_PROMPTS_PER_REQUEST = 64
 QUEUE_MS_HEADER = "x-sluice-queue-ms"
+DEGRADED_HEADER = "x-sluice-degraded"  # "1" when the tier's degrade pool answered instead of the model's (issue 7)
 
 
 def _check_model(app: web.Application, model: str) -> None:
-    served = app[CONFIG].model.name
-    if model != served:
-        raise SluiceError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server serves "
-                          f"'{served}' (see /v1/models)", param="model")
+    app[FLEET].runtime_for_model(model)  # 404 model_not_found naming the served models
+
+
+def _route(app: web.Application, model: str, principal: Principal) -> Route:
+    """Pick the pool of the request's model (or its tier's degrade pool under pressure); start a worker there when
+    none is ready, or reject at once when its cold start cannot make the tier's deadline (503, Retry-After)."""
+    fleet = app[FLEET]
+    route = fleet.route(model, principal.tier)
+    fleet.check_cold_start(route.runtime, principal.tier.name)
+    return route
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -121,23 +127,26 @@ def _max_tokens_param(body) -> str:
 async def _serve(request: web.Request, kind: str, body, principal: Principal, prompt_ids: list[list[int]],
                  arrival_s: float, prompt_param: str) -> web.StreamResponse:
     app = request.app
-    config, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
+    config, metrics = app[CONFIG], app[METRICS]
     n = body.n or 1
     if n > config.gateway.max_n:
         raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
     stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
+    route = app[FLEET].route(body.model, principal.tier)
+    runtime = route.runtime
+    pool = runtime.pool
     context_tokens = pool.max_model_len_tokens(config.model.max_model_len_tokens)
     requested = openai_api.requested_max_tokens(body)
     decisions = [
-        app[CAPPER].cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
-                        prompt_param=prompt_param, max_model_len_tokens=context_tokens)
+        runtime.capper.cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
+                           prompt_param=prompt_param, max_model_len_tokens=context_tokens)
         for ids in prompt_ids
     ]
     max_tokens = [decision.max_tokens for decision in decisions]
     request_id: str = request[REQUEST_ID]
     generation = Generation(
         request_id=request_id, prompts=prompt_ids, max_tokens=max_tokens, n=n, sampling=_sampling(body),
-        stop_strings=stop_strings, principal=principal, admission=app[ADMISSION], pool=pool,
+        stop_strings=stop_strings, principal=principal, admission=runtime.admission, pool=pool,
         tokenizer=app[TOKENIZER], metrics=metrics, first_token_timeout_s=config.gateway.first_token_timeout_s,
         stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
         cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
@@ -145,10 +154,13 @@ async def _serve(request: web.Request, kind: str, body, principal: Principal, pr
     log_fields = request[REQUEST_LOG]
     log_fields.update(kind=kind, stream=bool(body.stream), n=n, prompt_tokens=sum(map(len, prompt_ids)),
                       max_tokens=max_tokens[0], max_tokens_limited_by=decisions[0].limited_by,
-                      tier=principal.tier.name, tenant=principal.tenant)
+                      tier=principal.tier.name, tenant=principal.tenant, pool=runtime.name)
+    if route.degraded:
+        log_fields.update(degraded=True, requested_pool=route.requested.name)
     metrics.request_started()
     try:
         try:
+            app[FLEET].check_cold_start(runtime, principal.tier.name)
             await generation.admit()
         except SluiceError as exc:  # shed: an async job instead, where the tier or the client allows (issue 6)
             deferred = await defer_shed_request(request, kind, principal.tier, exc)
@@ -159,8 +171,8 @@ async def _serve(request: web.Request, kind: str, body, principal: Principal, pr
         generation.start()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await _stream(request, kind, generation, include_usage)
-        return await _collect(request, kind, generation)
+            return await _stream(request, kind, generation, include_usage, route)
+        return await _collect(request, kind, generation, route)
     finally:
         generation.close()
         metrics.request_ended()
@@ -177,37 +189,41 @@ def _response_id(kind: str, request_id: str) -> str:
     return f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
 
 
-async def _collect(request: web.Request, kind: str, generation: Generation) -> web.Response:
+async def _collect(request: web.Request, kind: str, generation: Generation, route: Route) -> web.Response:
     finish_reasons = ["stop"] * len(generation.choices)
     while (event := await generation.next_event()) is not None:
         if isinstance(event, FinishEvent):
             finish_reasons[event.index] = event.finish_reason
     texts = [generation.text(i) for i in range(len(generation.choices))]
     build = chat_completion if kind == "chat" else text_completion
-    payload = build(_response_id(kind, request[REQUEST_ID]), int(time.time()), request.app[CONFIG].model.name,
+    payload = build(_response_id(kind, request[REQUEST_ID]), int(time.time()), route.runtime.config.model_name,
                     texts, finish_reasons, generation.usage().to_dict())
     request[REQUEST_LOG]["outcome"] = "ok"
-    return web.json_response(payload, dumps=_dumps, headers=_queue_header(generation))
+    return web.json_response(payload, dumps=_dumps, headers=_queue_header(generation, route))
 
 
-def _queue_header(generation: Generation) -> dict[str, str]:
-    return {QUEUE_MS_HEADER: f"{generation.queue_wait_s * 1000:.1f}"}
+def _queue_header(generation: Generation, route: Route) -> dict[str, str]:
+    headers = {QUEUE_MS_HEADER: f"{generation.queue_wait_s * 1000:.1f}"}
+    if route.degraded:
+        headers[DEGRADED_HEADER] = "1"
+    return headers
 
 
 def _dumps(payload) -> str:
     return msgspec.json.encode(payload).decode()
 
 
-async def _stream(request: web.Request, kind: str, generation: Generation, include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, kind: str, generation: Generation, include_usage: bool,
+                  route: Route) -> web.StreamResponse:
     first_event = await generation.next_event()  # errors before the first byte are plain JSON errors
     chunks = ChunkFactory(kind, _response_id(kind, request[REQUEST_ID]), int(time.time()),
-                          request.app[CONFIG].model.name)
+                          route.runtime.config.model_name)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream; charset=utf-8",
         "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",
         "x-request-id": request[REQUEST_ID],
-        **_queue_header(generation),
+        **_queue_header(generation, route),
     })
     await response.prepare(request)
     request[REQUEST_LOG]["outcome"] = "client_disconnected"
@@ -236,20 +252,23 @@ async def _stream(request: web.Request, kind: str, generation: Generation, inclu
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the served model."""
-    return web.json_response({"object": "list", "data": [_model_card(request.app)]})
+    """``GET /v1/models``: the served models, one per pool (the first pool's first)."""
+    names = request.app[FLEET].model_names()
+    return web.json_response({"object": "list", "data": [_model_card(request.app, name) for name in names]})
 
 
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{model}``."""
-    _check_model(request.app, request.match_info["model"])
-    return web.json_response(_model_card(request.app))
+    name = request.match_info["model"]
+    _check_model(request.app, name)
+    return web.json_response(_model_card(request.app, name))
 
 
-def _model_card(app: web.Application) -> dict:
+def _model_card(app: web.Application, name: str) -> dict:
     config = app[CONFIG]
-    return {"id": config.model.name, "object": "model", "created": int(app[STARTED_AT]), "owned_by": "sluice",
-            "max_model_len": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens)}
+    pool = app[FLEET].runtime_for_model(name).pool
+    return {"id": name, "object": "model", "created": int(app[STARTED_AT]), "owned_by": "sluice",
+            "max_model_len": pool.max_model_len_tokens(config.model.max_model_len_tokens)}
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -258,14 +277,16 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """``GET /readyz``: 200 once a worker said Hello, else 503 (also while draining, so balancers stop sending)."""
-    pool = request.app[POOL]
-    if request.app[ADMISSION].draining:
+    """``GET /readyz``: 200 once a worker said Hello — or when a pool scales from zero and can start one (requests
+    wait through its cold start) — else 503 (also while draining, so balancers stop sending)."""
+    fleet = request.app[FLEET]
+    if fleet.draining:
         raise SluiceError(ErrorCode.DRAINING, "the gateway is shutting down", retry_after_s=1)
-    ready = len(pool.ready_clients())
-    if not ready:
+    clients = [client for runtime in fleet.runtimes.values() for client in runtime.pool.clients]
+    ready = sum(1 for client in clients if client.ready)
+    if not fleet.is_ready():
         raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready yet", retry_after_s=1)
-    return web.json_response({"status": "ready", "ready_workers": ready, "workers": len(pool.clients)})
+    return web.json_response({"status": "ready", "ready_workers": ready, "workers": len(clients)})
 
 
 async def status(request: web.Request) -> web.Response:
@@ -273,7 +294,8 @@ async def status(request: web.Request) -> web.Response:
     their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator)."""
     app = request.app
     config = app[CONFIG]
-    admission = app[ADMISSION].snapshot()
+    fleet = app[FLEET]
+    admission = fleet.admission_snapshot()
     return web.json_response({
         "model": config.model.name,
         "pressure": admission["pressure"],
@@ -281,9 +303,9 @@ async def status(request: web.Request) -> web.Response:
         "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),
         "active_requests": app[METRICS].num_active_requests,
         "uptime_s": round(time.time() - app[STARTED_AT], 3),
-        "workers": app[POOL].status(),
-        "local_workers": [{"index": p.index, "pid": p.pid, "starts": p.num_starts, "address": p.address}
-                          for p in app[LOCAL_WORKERS]],
+        "workers": fleet.worker_status(),
+        "local_workers": fleet.local_worker_status(),
+        "fleet": fleet.snapshot(),
     }, dumps=_dumps)
 
 
@@ -332,21 +354,23 @@ async def run_completion(app: web.Application, kind: str, body_json: bytes, *, p
     else:
         prompt_ids = await _completion_prompt_ids(app[TOKENIZER], body)
     prompt_param = "messages" if kind == "chat" else "prompt"
-    config, pool = app[CONFIG], app[POOL]
+    config = app[CONFIG]
     n = body.n or 1
     if n > config.gateway.max_n:
         raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
+    route = _route(app, body.model, principal)
+    pool = route.runtime.pool
     context_tokens = pool.max_model_len_tokens(config.model.max_model_len_tokens)
     requested = openai_api.requested_max_tokens(body)
     max_tokens = [
-        app[CAPPER].cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
-                        prompt_param=prompt_param, max_model_len_tokens=context_tokens).max_tokens
+        route.runtime.capper.cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
+                                 prompt_param=prompt_param, max_model_len_tokens=context_tokens).max_tokens
         for ids in prompt_ids
     ]
     generation = Generation(
         request_id=request_id, prompts=prompt_ids, max_tokens=max_tokens, n=n, sampling=_sampling(body),
         stop_strings=openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences), principal=principal,
-        admission=app[ADMISSION], pool=pool, tokenizer=app[TOKENIZER], metrics=app[METRICS],
+        admission=route.runtime.admission, pool=pool, tokenizer=app[TOKENIZER], metrics=app[METRICS],
         first_token_timeout_s=config.gateway.first_token_timeout_s, stall_timeout_s=config.gateway.stall_timeout_s,
         arrival_s=arrival_s, cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
     )
@@ -363,5 +387,5 @@ async def run_completion(app: web.Application, kind: str, body_json: bytes, *, p
         generation.close()
     texts = [generation.text(i) for i in range(len(generation.choices))]
     build = chat_completion if kind == "chat" else text_completion
-    return build(_response_id(kind, request_id), int(time.time()), config.model.name, texts, finish_reasons,
-                 generation.usage().to_dict())
+    return build(_response_id(kind, request_id), int(time.time()), route.runtime.config.model_name, texts,
+                 finish_reasons, generation.usage().to_dict())

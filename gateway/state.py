@@ -8,6 +8,7 @@ from aiohttp import web
 
 from gateway.admission import AdmissionController
 from gateway.caps import OutputCapper
+from gateway.fleet import Fleet
 from gateway.local_workers import LocalWorkerProcess
 from gateway.metrics import Metrics
 from gateway.tiers import TierResolver
@@ -43,6 +44,7 @@ STARTED_AT = web.AppKey("started_at", float)
 RESOLVER = web.AppKey("resolver", TierResolver)
 ADMISSION = web.AppKey("admission", AdmissionController)
 CAPPER = web.AppKey("capper", OutputCapper)
+FLEET = web.AppKey("fleet", Fleet)  # pools, local and registry workers, autoscaler (issue 7)
 
 REQUEST_ID = web.RequestKey("request_id", str)
 REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

@@ -39,6 +39,7 @@ from shared.errors import ErrorCode, SluiceError
 from shared.protocol import (
     Abort,
     Capacity,
+    Drain,
     Failed,
     Finished,
     Generate,
@@ -170,11 +171,12 @@ class WorkerClient:
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
+        self.draining = False  # the gateway takes no new request to it (a scale-down): see mark_draining()
 
     @property
     def ready(self) -> bool:
         """Connected and said Hello, and not draining."""
-        draining = self.capacity is not None and self.capacity.draining
+        draining = self.draining or (self.capacity is not None and self.capacity.draining)
         return self._writer is not None and self.hello is not None and not draining
 
     @property
@@ -271,6 +273,16 @@ class WorkerClient:
         self._streams[message.request_id] = stream
         self._writer.write(self._codec.encode(message))
         return stream
+
+    def mark_draining(self) -> None:
+        """Send no new request to this worker from now on (``ready`` turns False); the running ones go on."""
+        self.draining = True
+        self._changed()
+
+    def send_drain(self) -> None:
+        """Send the protocol's ``Drain``: the worker finishes what it runs and refuses new requests."""
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(self._codec.encode(Drain()))
 
     def abort(self, request_id: str) -> None:
         """Send ``Abort`` for a request that has not ended, and forget it (synchronous: safe in ``finally``)."""

@@ -55,7 +55,8 @@ def test_starts_missing_workers_up_to_min_at_once():
     clock = FakeClock()
     scaler = make(clock, pool(min_workers=3))
     [decision] = scaler.tick([obs(workers(READY))])
-    assert (decision.action, decision.reason, decision.num_workers) == (ScaleAction.UP, ScaleReason.BELOW_MIN_WORKERS, 2)
+    assert (decision.action, decision.reason, decision.num_workers) == (
+        ScaleAction.UP, ScaleReason.BELOW_MIN_WORKERS, 2)
     # draining workers do not count: they are on their way out
     [decision] = scaler.tick([obs(workers(READY, READY, DRAINING))])
     assert decision.num_workers == 1

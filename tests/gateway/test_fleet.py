@@ -186,15 +186,18 @@ def redis_prefix():
 
 async def chat(session: aiohttp.ClientSession, base_url: str, content: str, max_tokens: int, *,
                model: str = MODEL, tier: str | None = None, api_key: str | None = None,
-               stream: bool = False) -> tuple[int, dict, dict]:
+               stream: bool = False, system: str | None = None) -> tuple[int, dict, dict]:
     """POST one chat completion; return (status, headers, body) — for a stream, the joined result."""
     headers = {}
     if tier:
         headers["x-sluice-tier"] = tier
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": stream}
+    messages = [{"role": "user", "content": content}]
+    if system is not None:  # replaces the template's default system prompt (a prefix every request shares)
+        messages.insert(0, {"role": "system", "content": system})
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers,
@@ -270,7 +273,7 @@ async def test_pool_that_can_get_no_worker_rejects_at_once():
 
 
 TIERS = """
-default_tier = "standard"
+default_tier = "vip"  # the x-sluice-tier header can only lower it
 
 [[tiers]]
 name = "vip"
@@ -300,6 +303,9 @@ time_scale = {SIM_TIME_SCALE}
 [worker]
 max_num_seqs = 8
 
+[admission]
+early_rejection = false  # the burst must queue: its first prediction (before any rate is measured) is rough
+
 [autoscale]
 interval_s = 0.25
 scale_down_utilisation = 1.0
@@ -318,14 +324,22 @@ target_queue_wait_s = 0.5
 
         async def load():
             async with aiohttp.ClientSession() as session:
-                # 10 requests for 8 slots: 2 wait, the queue wait is predicted above target → a second worker;
-                # the last two (which the new worker takes) are the longest, so it is drained while running them
+                # 10 requests for 8 slots: 2 wait, the queue wait is predicted above target → a second worker
                 lengths = [30, 30, 40, 40, 50, 50, 60, 60, 300, 300]
                 tasks = []
                 for i, n in enumerate(lengths):
                     tasks.append(asyncio.create_task(chat(session, gw.base_url, f"request {i} " + "x " * 20, n,
                                                           stream=True)))
                     await asyncio.sleep(0.05)
+                await asyncio.to_thread(wait_for, lambda: gw.pool("sim")["workers"]["ready"] == 2, START_TIMEOUT_S,
+                                        "the second worker")
+                # two more long ones, with their own system prompts (no cached prefix pulls them to the first
+                # worker): the new worker, with the most free KV, takes at least one; use is then low enough to
+                # scale down while they run, so the worker drained still runs requests
+                for i in range(2):
+                    lengths.append(300)
+                    tasks.append(asyncio.create_task(chat(session, gw.base_url, "y " * 20, 300, stream=True,
+                                                          system=f"You are assistant number {i}.")))
                 return lengths, await asyncio.gather(*tasks)
 
         lengths, results = asyncio.run(load())
@@ -368,7 +382,7 @@ scale_down_after_s = 1.0
 
         async def first_requests():
             async with aiohttp.ClientSession() as session:
-                standard = asyncio.create_task(chat(session, gw.base_url, "hello", 5))
+                standard = asyncio.create_task(chat(session, gw.base_url, "hello", 5, tier="standard"))
                 await asyncio.sleep(0.5)
                 # during the cold start, the estimate (60 s, nothing measured yet) exceeds vip's 15 s deadline
                 vip = await chat(session, gw.base_url, "hello", 5, tier="vip")

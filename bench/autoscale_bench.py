@@ -46,25 +46,34 @@ from loadtest.traces import assign_tiers, load_trace, parse_mix, shape_trace, tr
 from shared.config import DEFAULT_TIERS, SimConfig, WorkerConfig  # noqa: E402
 from sluice.plan import WorkerModel, service_profile, workload_from_trace  # noqa: E402
 
-TIER_MIX = "vip=0.2,standard=0.6,free=0.2"
-SLO_TTFT_S = {"vip": 1.0, "standard": 5.0, "free": 5.0}
+from bench.replay_bench import AGING_RATE_PER_S, DEADLINE_FRACTION_OF_SLO, SLO_TTFT_S, TIER_MIX  # noqa: E402
+
+# the autoscaler's windows in the bench, wall seconds: low use this long stops a worker; arrivals over this long
+# are the offered load (a sim worker's cold start here is about 0.3 s wall, so a short window costs little)
+SCALE_DOWN_AFTER_S = 1.5
+DEMAND_WINDOW_S = 2.0
 START_TIMEOUT_S = 300.0
 MAX_WORKERS = 4
 
 
-def bench_config(time_scale: float, autoscale: bool) -> str:
-    """Return the gateway config: the default tiers with time-scaled deadlines, one sim pool (0..4 or fixed 4)."""
+def bench_config(time_scale: float, autoscale: bool, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
+                 demand_window_s: float = DEMAND_WINDOW_S) -> str:
+    """Return the gateway config: the default tiers with the replay bench's deadlines (0.8 × the tier's SLO) and
+    aging, time-scaled; one sim pool (0..4 or fixed 4). The autoscaler's windows are wall seconds."""
     lines = ['default_tier = "vip"', "", "[sim]", f"time_scale = {time_scale}", "",
+             "[admission]", f"aging_rate_per_s = {AGING_RATE_PER_S / time_scale}", "",
              "[autoscale]", f"enabled = {'true' if autoscale else 'false'}", "interval_s = 0.5",
-             "initial_cold_start_s = 10.0", ""]
+             "initial_cold_start_s = 10.0", f"demand_window_s = {demand_window_s}", ""]
     for tier in DEFAULT_TIERS:
+        deadline_s = DEADLINE_FRACTION_OF_SLO * SLO_TTFT_S.get(tier.name, tier.queue_timeout_s)
         lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
-                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {tier.queue_timeout_s * time_scale}",
+                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {deadline_s * time_scale}",
                   f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
                   f"reserved_kv_fraction = {tier.reserved_kv_fraction}", ""]
     lines += ["[[pools]]", 'name = "sim"', 'backend = "sim"',
               f"min_workers = {0 if autoscale else MAX_WORKERS}", f"max_workers = {MAX_WORKERS}",
-              "scale_up_after_s = 1.0", "scale_down_after_s = 8.0", f"target_queue_wait_s = {0.5 * time_scale}", ""]
+              "scale_up_after_s = 1.0", f"scale_down_after_s = {scale_down_after_s}",
+              f"target_queue_wait_s = {0.5 * time_scale}", ""]
     return "\n".join(lines)
 
 
@@ -133,9 +142,11 @@ class FleetGateway:
 
 
 def run_one(name: str, autoscale: bool, requests, time_scale: float, slo: dict[str, float], builder,
-            out_dir: Path) -> dict:
+            out_dir: Path, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
+            demand_window_s: float = DEMAND_WINDOW_S) -> dict:
     """Serve ``requests`` with one fleet; return its summary, worker-seconds and scale events."""
-    with FleetGateway(bench_config(time_scale, autoscale), out_dir / f"autoscale_{name}.log") as gateway:
+    config = bench_config(time_scale, autoscale, scale_down_after_s, demand_window_s)
+    with FleetGateway(config, out_dir / f"autoscale_{name}.log") as gateway:
         if autoscale:
             gateway.wait(lambda pool: pool["workers"]["ready"] == 0, "the empty pool")
         else:
@@ -166,6 +177,8 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--multiple", type=float, default=2.0, help="offered load ÷ capacity of 2 sim workers")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--scale-down-after-s", type=float, default=SCALE_DOWN_AFTER_S)
+    parser.add_argument("--demand-window-s", type=float, default=DEMAND_WINDOW_S)
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     time_scale = args.time_scale
@@ -180,8 +193,9 @@ def main() -> int:
           f"{stats.rate_per_s:.2f}/s over {stats.span_s:.0f} s ({len(requests)} requests, rate scale {rate_scale:.2f})")
     builder = PromptBuilder(load_tokenizer())
     started = time.time()
-    runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir),
-            run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir)]
+    windows = dict(scale_down_after_s=args.scale_down_after_s, demand_window_s=args.demand_window_s)
+    runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir, **windows),
+            run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir, **windows)]
     auto, fixed = runs
     checks = {"worker_seconds_ratio": auto["worker_seconds"] / fixed["worker_seconds"]
               if fixed["worker_seconds"] else None}
@@ -197,6 +211,7 @@ def main() -> int:
     result = {"trace": "azure-code", "requests": len(requests), "time_scale": time_scale, "multiple": args.multiple,
               "slo_ttft_s_scaled": slo, "tier_mix": TIER_MIX, "capacity_per_worker_per_s": mu,
               "capacity_2_workers_per_s": capacity, "rate_scale": rate_scale, "offered_rate_per_s": stats.rate_per_s,
+              "autoscale_windows_s": windows,
               "bench_wall_s": time.time() - started, "runs": runs, "checks": checks}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "autoscale.json").write_text(json.dumps(result, indent=1))

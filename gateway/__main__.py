@@ -2,13 +2,17 @@
 
 Usage::
 
-    sluice serve [--config config.toml] [--host 127.0.0.1] [--port 8000] [--workers N]
+    sluice serve [--config config.toml] [--host 127.0.0.1] [--port 8000] [--workers N] [--reuse-port]
     sluice serve --worker-address 10.0.0.5:9100 --worker-address unix:/tmp/w.sock   # connect, don't spawn
 
 Graceful drain: on SIGTERM (or SIGINT) the gateway stops admitting — queued and new requests get 503
 ``server_draining`` with ``Retry-After``, ``/readyz`` turns 503 — while requests already running finish, for at
 most ``gateway.drain_timeout_s``; then it closes the listener, cancels what is left, stops its local workers and
 exits 0. A second signal skips the rest of the drain.
+
+Several gateway processes on one machine: start each with ``--reuse-port`` (``gateway.reuse_port``) on the same
+port; the kernel spreads new connections over them (``SO_REUSEPORT``). Give them the same Redis (``[ratelimit]`` or
+``[registry]``) so per-key limits and tier queue bounds hold across them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import structlog
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.state import FLEET, METRICS, GatewayOptions
+from gateway.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.config import ConfigError, load_config, with_overrides
 
 log = structlog.get_logger("sluice.gateway")
@@ -41,6 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=None, help="listen port (default: gateway.port)")
     parser.add_argument("--workers", type=int, default=None, help="local workers to spawn "
                         "(default: worker.num_local_workers)")
+    parser.add_argument("--reuse-port", action="store_true", default=None,
+                        help="listen with SO_REUSEPORT so several gateways share the port (default: "
+                        "gateway.reuse_port)")
     parser.add_argument("--worker-address", action="append", default=[], metavar="HOST:PORT|unix:PATH",
                         help="connect to a running worker instead of spawning (repeatable)")
     return parser.parse_args(argv)
@@ -87,10 +94,11 @@ async def serve(options: GatewayOptions) -> None:
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.gateway.host, config.gateway.port, backlog=1024)
+        site = web.TCPSite(runner, config.gateway.host, config.gateway.port, backlog=1024,
+                           reuse_port=config.gateway.reuse_port)
         await site.start()
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port, pid=os.getpid(),
-                 model=config.model.name)
+                 gateway_id=app[GATEWAY_ID], reuse_port=config.gateway.reuse_port, model=config.model.name)
         stop, force = asyncio.Event(), asyncio.Event()
 
         def on_signal() -> None:
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             gateway["host"] = args.host
         if args.port is not None:
             gateway["port"] = args.port
+        if args.reuse_port is not None:
+            gateway["reuse_port"] = args.reuse_port
         worker = {} if args.workers is None else {"num_local_workers": args.workers}
         config = with_overrides(config, gateway=gateway, worker=worker)
     except ConfigError as exc:

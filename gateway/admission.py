@@ -22,7 +22,8 @@ cause                         status  when
 ============================  ======  ===================================================================
 ``rate_limit_exceeded``       429     the API key exceeds its requests/tokens per minute (at arrival)
 ``server_overloaded``         503     the pressure level sheds the tier (at arrival, and queued ones)
-``queue_full``                503     the tier's queue holds ``queue_capacity`` requests (at arrival)
+``queue_full``                503     the tier's queue holds ``queue_capacity`` requests (at arrival; with tier
+                                      counters in Redis, its queues on all gateways together)
 ``predicted_queue_timeout``   503     predicted wait > the tier's deadline (at arrival; Mooncake, FAST'25)
 ``queue_timeout``             503     waited past the tier's ``queue_timeout_s`` (timeout circuit breaking)
 ``no_worker_available``       503     the capacity view has no worker at all (at arrival)
@@ -32,9 +33,14 @@ cause                         status  when
 Predicted wait (prediction-based early rejection, after Qin et al., "Mooncake: Trading More Storage for Less
 Computation — A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): tokens of work ahead of
 the request — the expected prompt + output tokens of everything queued in its tier and higher tiers — ÷ the
-measured drain rate in tokens/s (the workers' decode + prefill rate from their capacity reports; when they report
-none yet, the rate at which admission has been dispatching work over ``admission.rate_window_s``). Expected output
-is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished requests actually produced.
+drain rate in tokens/s. The drain rate is measured where it happens: the expected work admission dispatched while
+requests were held in the queue for lack of room (a backlog: every dispatch then is the workers' capacity freeing),
+÷ the serving worker-seconds of those backlogged periods over ``admission.rate_window_s``, × the workers serving
+(and, for an elastic pool, starting) now. That is the queue's service rate under load whatever limits it (prefill
+backlog, sequence slots, KV), as in the M/G/c busy-period throughput. Until some backlog has been seen
+(``MIN_BACKLOG_S``), the workers' decode + prefill rates from their capacity reports stand in; before those, the
+plain dispatch rate. Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished
+requests actually produced.
 ``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
 pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
 bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
@@ -72,6 +78,9 @@ if TYPE_CHECKING:
     from gateway.tiers import Principal
 
 ANONYMOUS_KEY = "anonymous"
+# Backlogged serving worker-seconds needed in the window before the measured service rate replaces the workers'
+# reported rates in the predicted wait.
+MIN_BACKLOG_WORKER_S = 2.0
 NO_WORKER_RETRY_AFTER_S = 1.0
 # Weight of one finished request in the running mean of (completion tokens ÷ max_tokens).
 _OUTPUT_FRACTION_EWMA_WEIGHT = 0.05
@@ -104,6 +113,12 @@ class CapacityView(Protocol):
 
     def block_size_tokens(self) -> int:
         """Return tokens per KV block."""
+
+    def num_serving_workers(self) -> int:
+        """Return how many workers can take requests now (ready, breaker not open)."""
+
+    def num_starting_workers(self) -> int:
+        """Return how many workers are starting and will serve soon (an elastic pool's cold starts; else 0)."""
 
     def drain_rate_tokens_per_s(self) -> float:
         """Return the measured decode + prefill tokens/s summed over the workers (0.0 when unknown)."""
@@ -291,10 +306,18 @@ class AdmissionController:
         self._ticket_ids = itertools.count(1)
         self._started_s = clock()
         self._dispatch_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per dispatch
+        # service rate under backlog: (time s, expected work tokens dispatched, serving worker-seconds backlogged)
+        self._backlog_log: deque[tuple[float, float, float]] = deque()
+        self._backlogged = False  # the last dispatch pass left a request queued for lack of room
+        self._arrival_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per arrival
+        self._backlog_mark_s = clock()
         self._output_fraction = 1.0
         self._draining = False
         self._dispatching = False
         self._dispatch_requested = False
+        # tier name → requests of that tier queued on the other gateways (``gateway.tier_counters``), counted against
+        # the tier's queue_capacity at arrival; the default: this gateway alone
+        self.queued_elsewhere: Callable[[str], int] = lambda tier: 0
 
     # ----------------------------------------------------------------------------------------------- per request
 
@@ -376,6 +399,7 @@ class AdmissionController:
                 f"Rate limit reached for {limit_name} per minute on this API key. Retry after the indicated time.",
                 decision.retry_after_s,
             )
+        self._record_arrival(ticket)
         try:
             self._check_arrival(ticket, queue)
         except SluiceError:
@@ -452,8 +476,12 @@ class AdmissionController:
     # ----------------------------------------------------------------------------------------------- estimates
 
     def drain_rate_tokens_per_s(self) -> float:
-        """Return the drain rate in tokens/s: the workers' measured decode + prefill rate, else the measured
-        dispatch rate of expected work; 0.0 when neither is known."""
+        """Return the drain rate of the queues in expected work tokens/s (see the module docstring): the service
+        rate measured under backlog × the serving workers, else the workers' measured decode + prefill rate, else
+        the measured dispatch rate; 0.0 when none is known."""
+        per_worker = self.backlog_rate_tokens_per_s()
+        if per_worker is not None:
+            return per_worker * self._num_workers(starting=True)
         rate = self._view.drain_rate_tokens_per_s()
         if rate > 0:
             return rate
@@ -525,7 +553,7 @@ class AdmissionController:
                 self._overload_retry_after_s(),
             )
         full = (
-            len(queue.tickets) >= queue.config.queue_capacity
+            len(queue.tickets) + self.queued_elsewhere(ticket.tier.name) >= queue.config.queue_capacity
             if self._enabled
             else sum(len(q.tickets) for q in self._queues.values()) >= self._total_queue_capacity
         )
@@ -616,9 +644,66 @@ class AdmissionController:
         finally:
             self._dispatching = False
 
+    def _record_arrival(self, ticket: Ticket) -> None:
+        now_s = self._clock()
+        self._arrival_log.append((now_s, ticket.expected_work_tokens))
+        while self._arrival_log and self._arrival_log[0][0] < now_s - self._admission.rate_window_s:
+            self._arrival_log.popleft()
+
+    def arrival_rate_tokens_per_s(self, window_s: float) -> float:
+        """Return the expected work (prompt + expected output tokens) of requests that arrived within the last
+        ``window_s`` seconds (at most ``admission.rate_window_s``; rate-limited ones left out), ÷ ``window_s``:
+        the offered load, admitted or not, that the autoscaler sizes the pool for."""
+        now_s = self._clock()
+        window_s = min(window_s, self._admission.rate_window_s)
+        if window_s <= 0:
+            return 0.0
+        return sum(work for at_s, work in self._arrival_log if at_s >= now_s - window_s) / window_s
+
+    def service_rate_per_worker_tokens_per_s(self) -> float | None:
+        """Return the expected work tokens/s one serving worker drains: measured under backlog, else the workers'
+        reported rates ÷ their number; None when neither is known."""
+        per_worker = self.backlog_rate_tokens_per_s()
+        if per_worker is not None:
+            return per_worker
+        serving = self._num_workers()
+        rate = self._view.drain_rate_tokens_per_s()
+        return rate / serving if rate > 0 and serving > 0 else None
+
+    def _account_backlog(self, now_s: float, work_tokens: float = 0.0) -> None:
+        """Add the serving worker-seconds since the last mark (when backlogged) and ``work_tokens`` dispatched."""
+        busy_s = 0.0
+        if self._backlogged:
+            busy_s = max(0.0, now_s - self._backlog_mark_s) * self._num_workers()
+        self._backlog_mark_s = now_s
+        if busy_s > 0 or work_tokens > 0:
+            self._backlog_log.append((now_s, work_tokens, busy_s))
+        window_start_s = now_s - self._admission.rate_window_s
+        while self._backlog_log and self._backlog_log[0][0] < window_start_s:
+            self._backlog_log.popleft()
+
+    def _num_workers(self, starting: bool = False) -> int:
+        """Serving workers of the view (+ starting ones); 1 for a view that does not count them."""
+        serving = getattr(self._view, "num_serving_workers", None)
+        if serving is None:
+            return 1
+        coming = getattr(self._view, "num_starting_workers", None)
+        return serving() + (coming() if starting and coming is not None else 0)
+
+    def backlog_rate_tokens_per_s(self) -> float | None:
+        """Return the measured service rate per serving worker under backlog, expected work tokens/s; None until
+        :data:`MIN_BACKLOG_WORKER_S` backlogged worker-seconds fall in the window."""
+        self._account_backlog(self._clock())
+        work = sum(sample[1] for sample in self._backlog_log)
+        worker_s = sum(sample[2] for sample in self._backlog_log)
+        if worker_s < MIN_BACKLOG_WORKER_S or work <= 0:
+            return None
+        return work / worker_s
+
     def _dispatch_once(self) -> None:
         now_s = self._clock()
         self._shed_expired(now_s)
+        self._account_backlog(now_s)
         held_back_tiers: set[str] = set()
         while True:
             candidates = [
@@ -627,6 +712,7 @@ class AdmissionController:
                 if name not in held_back_tiers and (head := queue.head()) is not None
             ]
             if not candidates:
+                self._backlogged = False
                 return
             best = max(candidates, key=lambda t: (self._order.score(t, now_s), -t.ticket_id))
             if not self._fits_reserved_shares(best):
@@ -636,7 +722,10 @@ class AdmissionController:
                 best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid
             )
             if reservation is None:
+                self._backlogged = True
                 return  # strict order: nobody jumps ahead of the request that should go next
+            if self._backlogged:
+                self._account_backlog(now_s, best.expected_work_tokens)
             self._grant(best, reservation, now_s)
 
     def _grant(self, ticket: Ticket, reservation: object, now_s: float) -> None:

@@ -3,8 +3,9 @@
 Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
 metrics → tokenizer (thread pool) → the fleet (``gateway.fleet``: pools of workers — local processes under the
 autoscaler, ``--worker-address`` and Redis-registry workers — each pool with the admission controller that reads
-its capacity). The tier resolver and the output capper are built with the app (they only
-read the config), so a bad tiers / keys config fails at start.
+its capacity) → the tier counters shared with other gateways through Redis (``gateway.tier_counters``; their queued
+requests count against each tier's ``queue_capacity``). The tier resolver and the output capper are built with the
+app (they only read the config), so a bad tiers / keys config fails at start.
 
 The error ladder (one middleware):
 
@@ -12,11 +13,16 @@ The error ladder (one middleware):
 - aiohttp's HTTP errors (404, 405, 413 body too large …) → the same envelope;
 - ``CancelledError`` (the client went away; ``handler_cancellation`` is on) → counted as 499 and re-raised;
 - anything else → 500 ``internal_error``, logged with the request id (a bug: bad input never gets here).
+
+Every response carries ``x-sluice-gateway: <gateway id>`` (set when it is prepared, streams included), so a client
+behind several gateways sharing a port (``gateway.reuse_port``) or a load balancer sees who answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -34,6 +40,7 @@ from gateway.state import (
     CAPPER,
     CONFIG,
     FLEET,
+    GATEWAY_ID,
     RESOLVER,
     LOCAL_WORKERS,
     METRICS,
@@ -42,9 +49,11 @@ from gateway.state import (
     REQUEST_LOG,
     POOL,
     STARTED_AT,
+    TIER_COUNTERS,
     TOKENIZER,
     GatewayOptions,
 )
+from gateway.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_snapshot
 from gateway.tiers import TierResolver
 from gateway.tokenize import Tokenizer
 from shared.config import resolve_model_path
@@ -136,6 +145,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                      duration_ms=duration_ms, **request[REQUEST_LOG])
 
 
+async def _add_gateway_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: say which gateway answers (every response, streams included)."""
+    response.headers["x-sluice-gateway"] = request.app[GATEWAY_ID]
+
+
 # ---------------------------------------------------------------------- resources (cleanup_ctx)
 
 
@@ -174,6 +188,24 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     await fleet.close()  # sheds what is still queued (503 server_draining), stops workers, closes connections
 
 
+async def _tier_counters_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Per-tier counts shared with the other gateways through Redis (``gateway.tier_counters``): published every
+    interval, and the other gateways' queued requests count against each pool's tier ``queue_capacity``."""
+    fleet, metrics = app[FLEET], app[METRICS]
+    counters = TierCounters.from_config(app[CONFIG], app[GATEWAY_ID],
+                                        lambda: tier_counts_from_snapshot(fleet.admission_snapshot()))
+    app[TIER_COUNTERS] = counters
+    for runtime in fleet.runtimes.values():
+        runtime.admission.queued_elsewhere = counters.queued_elsewhere
+    collector = TierCountersCollector(counters)
+    metrics.registry.register(collector)
+    counters.start()
+    log.info("tier_counters", gateway_id=counters.gateway_id, shared=counters.shared)
+    yield
+    metrics.registry.unregister(collector)
+    await counters.close()  # removes this gateway's counts from Redis at once
+
+
 def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
               metrics: Metrics | None = None) -> web.Application:
     """Build the gateway application.
@@ -188,13 +220,15 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     app[OPTIONS] = options
     app[CONFIG] = config
     app[STARTED_AT] = time.time()
+    app[GATEWAY_ID] = options.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
     app[RESOLVER] = TierResolver(config)
     app[CAPPER] = OutputCapper(config, PressureMonitor(config.pressure))
     if tokenizer is not None:
         app[TOKENIZER] = tokenizer
     if metrics is not None:
         app[METRICS] = metrics
-    app.cleanup_ctx.extend([_metrics_ctx, _tokenizer_ctx, _workers_ctx])
+    app.cleanup_ctx.extend([_metrics_ctx, _tokenizer_ctx, _workers_ctx, _tier_counters_ctx])
+    app.on_response_prepare.append(_add_gateway_header)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)

@@ -9,9 +9,16 @@ Rules, per pool, in this order (n = the pool's local workers that are starting o
 through the registry serve the pool but are never started, stopped or counted against ``max_workers``):
 
 1. ``below_min_workers``: n < ``min_workers`` → start the missing ones at once.
-2. ``queued_without_worker``: a request is queued and no worker is ready or starting → start one at once
-   (scale from zero; the request waits through the cold start in its tier queue, its deadline still holds).
-3. Scale up, when the up condition has held for ``scale_up_after_s``:
+2. ``queued_without_worker``: a request is queued and no worker is ready or starting → start at once as many as
+   the offered load needs (rule 3's count, at least one): scale from zero; the request waits through the cold
+   start in its tier queue, its deadline still holds.
+3. ``demand_above_capacity``: the offered load — expected work tokens/s that arrived over the last
+   ``autoscale.demand_window_s``, admitted or not — needs more workers than are ready or starting, at each
+   worker's measured service rate and ``autoscale.target_utilisation``: ``ceil(load ÷ (rate × target))``. Start
+   the difference at once, without waiting for a queue to build (the load-proportional rule of Knative's
+   autoscaler: desired pods = observed load ÷ target load per pod). The rate is the one admission measured while
+   its queue was backlogged (or the workers' reported rates), remembered across a scale to zero.
+4. Scale up, when the up condition has held for ``scale_up_after_s``:
 
    - ``queue_wait_above_target``: predicted queue wait w > ``target_queue_wait_s``. Start enough workers that the
      same work spread over more ready workers meets the target, counting workers already starting:
@@ -23,12 +30,14 @@ through the registry serve the pool but are never started, stopped or counted ag
      starting.
 
    After a start the condition must hold for another ``scale_up_after_s`` before the next one.
-4. Scale down, when no request is queued, nothing is starting or draining, pressure is normal and use has been low
-   for ``scale_down_after_s``: ``low_utilisation`` — with r ready workers at utilisation u, the work would still
-   be in low use on one worker fewer: u × r ÷ (r − 1) < ``autoscale.scale_down_utilisation`` (for r = 1: u = 0,
-   ``idle``). The victim is the ready local worker with the fewest requests in flight, the most recently started on
-   a tie. After a stop the low use must last another ``scale_down_after_s`` before the next one. Never below
-   ``min_workers``.
+5. Scale down, when no request is queued, nothing is starting or draining, pressure is normal, the offered load
+   fits on one worker fewer (rule 3's count < ready) and use has been low for ``scale_down_after_s``:
+   ``low_utilisation`` — with r ready workers at utilisation u, the work would still be in low use on one worker
+   fewer: u × r ÷ (r − 1) < ``autoscale.scale_down_utilisation`` (for r = 1: u = 0, ``idle``). The victim is the
+   ready local worker with the fewest requests in flight, the most recently started on a tie. After a stop the low
+   use must last another ``scale_down_after_s`` before the next one, except when the pool is idle (no use, no
+   offered load): then one more worker stops each tick, so an idle pool reaches ``min_workers`` within a few ticks
+   of ``scale_down_after_s``. Never below ``min_workers``.
 
 Cold starts (spawn → ``Hello``) are measured per pool (:meth:`Autoscaler.record_cold_start`); their mean over the
 last few starts feeds :meth:`Autoscaler.predicted_wait_s`, the wait a request arriving now must expect when the
@@ -78,6 +87,7 @@ class ScaleReason(str, enum.Enum):
 
     BELOW_MIN_WORKERS = "below_min_workers"
     QUEUED_WITHOUT_WORKER = "queued_without_worker"
+    DEMAND_ABOVE_CAPACITY = "demand_above_capacity"
     QUEUE_WAIT_ABOVE_TARGET = "queue_wait_above_target"
     PRESSURE = "pressure"
     LOW_UTILISATION = "low_utilisation"
@@ -117,6 +127,8 @@ class PoolObservation:
         pressure: the pressure level that applies to this pool.
         utilisation: in-flight demand ÷ capacity of the pool's ready workers, 0–1 (KV tokens or running sequences,
             whichever is fuller).
+        demand_workers: workers the offered load needs (load ÷ (per-worker service rate × target utilisation),
+            not rounded); None when no service rate is known yet.
     """
 
     pool: str
@@ -125,6 +137,7 @@ class PoolObservation:
     num_queued: int = 0
     pressure: PressureLevel = PressureLevel.NORMAL
     utilisation: float = 0.0
+    demand_workers: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,10 +232,21 @@ class Autoscaler:
                             f"{num_local} local workers < min_workers {min_workers}")
         if not self._config.enabled:
             return None
+        needed = math.ceil(obs.demand_workers - 1e-9) if obs.demand_workers is not None else None
         if obs.num_queued > 0 and num_ready == 0 and num_starting == 0 and num_local < max_workers:
             state.up_since_s = state.low_since_s = None
-            return self._up(pool, ScaleReason.QUEUED_WITHOUT_WORKER, now_s, 1,
-                            f"{obs.num_queued} requests queued, no worker ready or starting")
+            count = min(max(1, needed or 1), max_workers) - num_local
+            return self._up(pool, ScaleReason.QUEUED_WITHOUT_WORKER, now_s, max(1, count),
+                            f"{obs.num_queued} requests queued, no worker ready or starting; offered load needs "
+                            f"{obs.demand_workers if obs.demand_workers is None else round(obs.demand_workers, 2)}")
+        if needed is not None and num_ready > 0 and needed > num_ready + num_starting and num_local < max_workers:
+            add = min(needed, max_workers) - (num_ready + num_starting)
+            add = min(add, max_workers - num_local)
+            if add > 0:
+                state.up_since_s = state.low_since_s = None
+                return self._up(pool, ScaleReason.DEMAND_ABOVE_CAPACITY, now_s, add,
+                                f"offered load needs {obs.demand_workers:.2f} workers; {num_ready} ready, "
+                                f"{num_starting} starting")
 
         wait_s = obs.predicted_queue_wait_s
         wait_high = num_ready > 0 and wait_s is not None and wait_s > pool.target_queue_wait_s
@@ -269,8 +293,10 @@ class Autoscaler:
             low = projected < self._config.scale_down_utilisation
         else:
             low, projected = False, math.inf
-        eligible = (low and obs.num_queued == 0 and obs.pressure is PressureLevel.NORMAL and num_starting == 0
-                    and not draining and candidates and num_local > pool.min_workers)
+        demand_fits = obs.demand_workers is None or math.ceil(obs.demand_workers - 1e-9) < num_ready
+        idle = obs.utilisation <= 0.0 and not obs.demand_workers
+        eligible = (low and demand_fits and obs.num_queued == 0 and obs.pressure is PressureLevel.NORMAL
+                    and num_starting == 0 and (idle or not draining) and candidates and num_local > pool.min_workers)
         if not eligible:
             state.low_since_s = None
             return None
@@ -279,7 +305,8 @@ class Autoscaler:
         if now_s - state.low_since_s < pool.scale_down_after_s:
             return None
         victim = min(candidates, key=lambda w: (w.num_in_flight, -w.started_at_s))
-        state.low_since_s = now_s
+        if not idle:
+            state.low_since_s = now_s  # an idle pool keeps its timer: the next tick stops the next worker
         reason = ScaleReason.IDLE if obs.utilisation <= 0.0 else ScaleReason.LOW_UTILISATION
         detail = (f"utilisation {obs.utilisation:.2f} over {num_ready} ready workers, {projected:.2f} over one fewer, "
                   f"for {pool.scale_down_after_s:g} s")

@@ -111,6 +111,10 @@ class ElasticWorkerPool(WorkerPool):
         blocks = super().total_kv_blocks()
         return blocks if blocks > 0 else self._prospective_kv_blocks()
 
+    def num_starting_workers(self) -> int:
+        """Return the pool's workers that have not said Hello yet and are not draining (cold starts under way)."""
+        return sum(1 for c in self.clients if c.hello is None and not c.draining)
+
     def drain_rate_tokens_per_s(self) -> float:
         """See :meth:`WorkerPool.drain_rate_tokens_per_s`, plus the workers still starting, each at the mean
         measured rate of the serving ones.
@@ -121,7 +125,7 @@ class ElasticWorkerPool(WorkerPool):
         """
         rate = super().drain_rate_tokens_per_s()
         measured = [c for c in self._serving_clients() if c.capacity is not None]
-        starting = sum(1 for c in self.clients if c.hello is None and not c.draining)
+        starting = self.num_starting_workers()
         if rate <= 0 or not measured or not starting:
             return rate
         return rate * (len(measured) + starting) / len(measured)
@@ -175,6 +179,8 @@ class PoolRuntime:
         spawn_blocked_until_s: no spawn before this monotonic time (backoff after failures).
         degraded_in: requests of each tier sent here instead of their own pool.
         starts_by_index: local workers started in each slot so far.
+        service_rate_per_worker_tokens_per_s: the last known expected work tokens/s one worker drains (admission's
+            measure), kept through a scale to zero; 0.0 = never measured.
     """
 
     config: PoolConfig
@@ -188,6 +194,7 @@ class PoolRuntime:
     spawn_blocked_until_s: float = 0.0
     degraded_in: Counter[str] = field(default_factory=Counter)
     starts_by_index: Counter[int] = field(default_factory=Counter)
+    service_rate_per_worker_tokens_per_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -297,6 +304,9 @@ class Fleet:
     def _make_runtime(self, pool_config: PoolConfig, capper: OutputCapper | None) -> PoolRuntime:
         holder: list[PoolRuntime] = []
         pool = ElasticWorkerPool(pool_config.name, lambda: self._prospective_kv_blocks(holder[0]))
+        pool.prefill_queue_s = self.config.admission.worker_prefill_queue_s
+        if self.config.admission.enabled:  # off: the workers see one tier label ("fifo") and prefill in order
+            pool.tier_priorities = {tier.name: tier.priority for tier in effective_tiers(self.config)}
         if capper is None or capper.pressure_monitor is None:
             capper = OutputCapper(self.config, PressureMonitor(self.config.pressure, self._clock))
         admission = AdmissionController(self.config, pool, pressure=capper.pressure_monitor, limiter=self.limiter,
@@ -472,7 +482,24 @@ class Fleet:
         num_queued = sum(stats["queue_depth"] for stats in snapshot["tiers"].values()) + extra_queued
         lowest = min(snapshot["tiers"], key=lambda name: snapshot["tiers"][name]["priority"])
         return PoolObservation(runtime.name, views, runtime.admission.predicted_wait_s(lowest), num_queued,
-                               runtime.pressure.level, self._utilisation(runtime))
+                               runtime.pressure.level, self._utilisation(runtime), self._demand_workers(runtime))
+
+    def _demand_workers(self, runtime: PoolRuntime) -> float | None:
+        """Workers the pool's offered load needs (see ``gateway.autoscaler`` rule 3); None without a known rate.
+
+        The per-worker service rate is remembered, so a pool scaled to zero sizes its next burst with it.
+        """
+        autoscale = self.config.autoscale
+        if autoscale.demand_window_s <= 0:
+            return None
+        rate = runtime.admission.service_rate_per_worker_tokens_per_s()
+        if rate is not None and rate > 0:
+            runtime.service_rate_per_worker_tokens_per_s = rate
+        rate = runtime.service_rate_per_worker_tokens_per_s
+        if rate <= 0:
+            return None
+        load = runtime.admission.arrival_rate_tokens_per_s(autoscale.demand_window_s)
+        return load / (rate * autoscale.target_utilisation)
 
     @staticmethod
     def _utilisation(runtime: PoolRuntime) -> float:

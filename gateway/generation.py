@@ -293,7 +293,7 @@ class Generation:
             ignore_eos=self.ignore_eos,
         )
         choice.stream = None
-        choice.stream = reservation.worker.start_request(message)
+        choice.stream = reservation.worker.start_request(message, reservation)
         choice.dispatched_at_s = time.perf_counter()
         self.pool.dispatched(reservation)
 

@@ -24,12 +24,14 @@ from gateway.jobs.api import defer_shed_request
 from gateway.state import (
     CONFIG,
     FLEET,
+    GATEWAY_ID,
     METRICS,
     POOL,
     REQUEST_ID,
     REQUEST_LOG,
     RESOLVER,
     STARTED_AT,
+    TIER_COUNTERS,
     TOKENIZER,
 )
 from gateway.tiers import Principal
@@ -291,7 +293,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     """``GET /status``: JSON snapshot of the model, pressure, admission queues per tier, and the workers with
-    their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator)."""
+    their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator);
+    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis (``gateway.tier_counters``)."""
     app = request.app
     config = app[CONFIG]
     fleet = app[FLEET]
@@ -306,6 +309,8 @@ async def status(request: web.Request) -> web.Response:
         "workers": fleet.worker_status(),
         "local_workers": fleet.local_worker_status(),
         "fleet": fleet.snapshot(),
+        "gateway_id": app[GATEWAY_ID],
+        "fleet_tiers": app[TIER_COUNTERS].snapshot(),  # per tier summed over the gateways sharing Redis (issue 7)
     }, dumps=_dumps)
 
 

@@ -107,9 +107,10 @@ class PressureMonitor:
         return None if policy is None else policy.max_tokens_by_tier.get(tier)
 
     def queue_timeout_s(self, tier: str, default_s: float) -> float:
-        """Return the current level's queue-wait deadline for a tier in seconds, else ``default_s``."""
+        """Return the current level's queue-wait deadline for a tier in seconds, else ``default_s``; a level only
+        tightens a deadline (never above ``default_s``, the tier's own)."""
         policy = self._policy()
-        return default_s if policy is None else policy.queue_timeout_s_by_tier.get(tier, default_s)
+        return default_s if policy is None else min(default_s, policy.queue_timeout_s_by_tier.get(tier, default_s))
 
     def sheds(self, tier: str) -> bool:
         """Return whether the current level rejects this tier at arrival."""

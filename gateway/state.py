@@ -11,6 +11,7 @@ from gateway.caps import OutputCapper
 from gateway.fleet import Fleet
 from gateway.local_workers import LocalWorkerProcess
 from gateway.metrics import Metrics
+from gateway.tier_counters import TierCounters
 from gateway.tiers import TierResolver
 from gateway.tokenize import Tokenizer
 from gateway.workers import WorkerPool
@@ -26,12 +27,14 @@ class GatewayOptions:
         config_path: the config file, passed on to spawned workers (None: their default resolution).
         worker_addresses: connect to these running workers (``HOST:PORT`` / ``unix:PATH``) instead of spawning.
         spawn_local_workers: spawn ``config.worker.num_local_workers`` workers (ignored when addresses are given).
+        gateway_id: this gateway's id (``x-sluice-gateway``, its tier counters in Redis); "" = ``<hostname>-<pid>``.
     """
 
     config: Config
     config_path: str | None = None
     worker_addresses: list[str] = field(default_factory=list)
     spawn_local_workers: bool = True
+    gateway_id: str = ""
 
 
 OPTIONS = web.AppKey("options", GatewayOptions)
@@ -45,6 +48,8 @@ RESOLVER = web.AppKey("resolver", TierResolver)
 ADMISSION = web.AppKey("admission", AdmissionController)
 CAPPER = web.AppKey("capper", OutputCapper)
 FLEET = web.AppKey("fleet", Fleet)  # pools, local and registry workers, autoscaler (issue 7)
+GATEWAY_ID = web.AppKey("gateway_id", str)  # ``x-sluice-gateway`` on every response
+TIER_COUNTERS = web.AppKey("tier_counters", TierCounters)  # per-tier counts of all gateways, via Redis (issue 7)
 
 REQUEST_ID = web.RequestKey("request_id", str)
 REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

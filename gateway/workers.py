@@ -17,6 +17,13 @@ runs fewer than ``max_num_seqs`` of this gateway's requests and the KV blocks no
 the new one's demand (prompt + capped output). Among those, the one holding the longest cached prefix of the
 prompt wins (a gateway-side index of the prompt blocks recently sent to each worker; session affinity falls out of
 it), then the one with the most free KV.
+
+A worker also takes no new request while the prompts already sent to it and not yet started (no first token), of
+the request's tier or a higher one, hold more than ``prefill_queue_s`` seconds of prefill work at its measured
+prefill rate (one such prompt is always allowed). Lower tiers' prompts do not count: the worker's scheduler
+prefills higher tiers first (``worker.scheduler``), so a vip request overtakes them there. The backlog then waits in the gateway's tier queues, where priority, deadlines and early rejection act,
+instead of in the worker's FIFO, where they cannot: Mooncake (FAST'25) and SGLang's router keep the same rule of
+a short per-instance queue behind a global scheduler.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ CONNECT_TIMEOUT_S = 5.0
 # Prompt-block hashes remembered per worker for prefix-aware routing (about 64 K tokens of 16-token blocks per
 # 4096 entries; oldest forgotten first, like the worker's own LRU prefix cache).
 MAX_PREFIX_HASHES_PER_WORKER = 4096
+# Floor of a worker's prefill backlog budget, tokens: one default engine step (worker.max_num_batched_tokens), so
+# short prompts batch into one step even when the measured rate is low (a mostly-decoding worker).
+MIN_PREFILL_BUDGET_TOKENS = 512
 # Weight of one finished request in the running mean of its prompt share of the work (prefill vs decode tokens).
 _PROMPT_SHARE_EWMA_WEIGHT = 0.05
 
@@ -98,19 +108,27 @@ class RequestStream:
         self._error: SluiceError | None = None
         self._event = asyncio.Event()
         self.done = False  # the worker will send nothing more (finished, failed or aborted)
+        self.reservation: Reservation | None = None  # set by start_request: its prefill backlog entry
+
+    def _started(self) -> None:
+        if self.reservation is not None:
+            self.worker.prefill_started(self.reservation)
 
     def _push(self, delta: TokenDelta) -> None:
+        self._started()
         self._token_ids.extend(delta.token_ids)
         if delta.first_token_latency_ms is not None:
             self._first_token_latency_ms = delta.first_token_latency_ms
         self._event.set()
 
     def _finish(self, finished: Finished) -> None:
+        self._started()
         self._finished = finished
         self.done = True
         self._event.set()
 
     def _fail(self, error: SluiceError) -> None:
+        self._started()
         self._error = error
         self.done = True
         self._event.set()
@@ -172,6 +190,10 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.draining = False  # the gateway takes no new request to it (a scale-down): see mark_draining()
+        self.num_pending_prefill = 0  # reservations whose prompt has not started on the worker (no first token)
+        self.pending_prefill_tokens = 0  # their uncached prompt tokens
+        # the same per tier priority: priority → [reservations, tokens]
+        self.pending_prefill_by_priority: dict[int, list[int]] = {}
 
     @property
     def ready(self) -> bool:
@@ -205,13 +227,68 @@ class WorkerClient:
         used = self.capacity.used_kv_blocks if self.capacity is not None else 0
         return max(self.reserved_blocks, used)
 
-    def can_take(self, demand_blocks: int) -> bool:
-        """Return whether a request of ``demand_blocks`` KV blocks may be sent now (breaker, seqs, KV)."""
+    def prefill_budget_tokens(self, prefill_queue_s: float) -> float:
+        """Return how many not-yet-started prompt tokens the worker may hold: ``prefill_queue_s`` seconds at its
+        measured prefill rate (tokens/s of busy time, from capacity reports), at least
+        :data:`MIN_PREFILL_BUDGET_TOKENS`; infinite before a rate is measured or when
+        ``prefill_queue_s`` is 0 (no limit)."""
+        rate = self.capacity.prefill_tokens_per_s if self.capacity is not None else 0.0
+        if prefill_queue_s <= 0 or rate <= 0:
+            return float("inf")
+        return max(MIN_PREFILL_BUDGET_TOKENS, rate * prefill_queue_s)
+
+    def pending_prefill_ahead(self, priority: int) -> tuple[int, int]:
+        """Return (reservations, tokens) of not-yet-started prompts of tier priority ≥ ``priority``."""
+        num, tokens = 0, 0
+        for pending_priority, (count, pending_tokens) in self.pending_prefill_by_priority.items():
+            if pending_priority >= priority:
+                num += count
+                tokens += pending_tokens
+        return num, tokens
+
+    def can_take(self, demand_blocks: int, prefill_tokens: int = 0, prefill_queue_s: float = 0.0,
+                 priority: int = 0) -> bool:
+        """Return whether a request may be sent now (breaker, sequence slots, KV, prefill backlog).
+
+        Args:
+            demand_blocks: its KV demand in blocks (prompt + capped output).
+            prefill_tokens: its prompt tokens the worker will have to prefill (uncached).
+            prefill_queue_s: most seconds of not-yet-started prefill work (of its tier or higher) the worker may
+                hold; 0 = no limit.
+            priority: its tier's priority (the worker prefills higher ones first).
+        """
         if not self.ready or not self.breaker.available() or self.hello is None:
             return False
         if self.num_reserved >= self.hello.max_num_seqs:
             return False
+        if prefill_queue_s > 0:
+            num_ahead, tokens_ahead = self.pending_prefill_ahead(priority)
+            if num_ahead > 0 and tokens_ahead + prefill_tokens > self.prefill_budget_tokens(prefill_queue_s):
+                return False
         return self.total_kv_blocks - self.committed_kv_blocks >= demand_blocks
+
+    def hold_prefill(self, reservation: "Reservation") -> None:
+        """Count the reservation's prompt in the worker's prefill backlog until :meth:`prefill_started`."""
+        self.num_pending_prefill += 1
+        self.pending_prefill_tokens += reservation.prefill_tokens
+        entry = self.pending_prefill_by_priority.setdefault(reservation.priority, [0, 0])
+        entry[0] += 1
+        entry[1] += reservation.prefill_tokens
+
+    def prefill_started(self, reservation: "Reservation") -> None:
+        """The reservation's prompt started on the worker (first token, end, failure or release): it no longer
+        counts in the worker's prefill backlog. Idempotent."""
+        if not reservation.prefill_pending:
+            return
+        reservation.prefill_pending = False
+        self.num_pending_prefill -= 1
+        self.pending_prefill_tokens -= reservation.prefill_tokens
+        entry = self.pending_prefill_by_priority[reservation.priority]
+        entry[0] -= 1
+        entry[1] -= reservation.prefill_tokens
+        if entry[0] == 0:
+            del self.pending_prefill_by_priority[reservation.priority]
+        self._changed()
 
     def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """Return how many leading prompt blocks were recently sent to this worker (likely in its prefix cache)."""
@@ -261,8 +338,12 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ requests
 
-    def start_request(self, message: Generate) -> RequestStream:
+    def start_request(self, message: Generate, reservation: "Reservation | None" = None) -> RequestStream:
         """Register a stream for ``message.request_id`` and send the ``Generate`` frame.
+
+        Args:
+            message: the request.
+            reservation: its reservation on this worker; its prefill backlog entry ends with the first token.
 
         Raises:
             SluiceError: ``worker_failed`` when the connection is down (the request may be retried elsewhere).
@@ -270,6 +351,7 @@ class WorkerClient:
         if self._writer is None or self.hello is None:
             raise SluiceError(ErrorCode.WORKER_FAILED, f"worker {self.name} is not connected")
         stream = RequestStream(message.request_id, self)
+        stream.reservation = reservation
         self._streams[message.request_id] = stream
         self._writer.write(self._codec.encode(message))
         return stream
@@ -416,6 +498,9 @@ class Reservation:
     demand_blocks: int
     verdict_given: bool = False
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    prefill_tokens: int = 0  # uncached prompt tokens, in the worker's prefill backlog while prefill_pending
+    prefill_pending: bool = True
+    priority: int = 0  # the request's tier priority as the worker orders prefills
 
 
 class WorkerPool:
@@ -427,8 +512,12 @@ class WorkerPool:
             released reservation); the app points it at ``AdmissionController.on_capacity_changed``.
     """
 
-    def __init__(self, clients: list[WorkerClient], on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, clients: list[WorkerClient], on_change: Callable[[], None] | None = None,
+                 prefill_queue_s: float = 0.0) -> None:
         self.clients = clients
+        self.prefill_queue_s = prefill_queue_s  # see the module docstring; 0 = no prefill backlog limit
+        # tier name → priority, as the workers order prefills; {} = every tier alike (the FIFO baseline)
+        self.tier_priorities: dict[str, int] = {}
         self._reservation_ids = itertools.count(1)
         self.on_change = on_change
         for client in clients:
@@ -475,7 +564,10 @@ class WorkerPool:
         Returns:
             The reservation, or None when no worker has room now.
         """
-        candidates = [c for c in self.clients if c.can_take(demand_blocks)]
+        num_prompt_tokens = len(prompt_token_ids)
+        priority = self.tier_priorities.get(tier, 0)
+        candidates = [c for c in self.clients
+                      if c.can_take(demand_blocks, num_prompt_tokens, self.prefill_queue_s, priority)]
         if avoid is not None and any(c is not avoid and c.ready and c.breaker.available() for c in self.clients):
             candidates = [c for c in candidates if c is not avoid]
         if not candidates:
@@ -498,7 +590,11 @@ class WorkerPool:
         block_hashes = hashes_by_block_size.get(best.block_size_tokens)
         if block_hashes is None:
             block_hashes = prompt_block_hashes(prompt_token_ids, best.block_size_tokens)
-        return Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes)
+        prefill_tokens = max(1, num_prompt_tokens - best.cached_prefix_blocks(block_hashes) * best.block_size_tokens)
+        reservation = Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes,
+                                  prefill_tokens=prefill_tokens, priority=priority)
+        best.hold_prefill(reservation)
+        return reservation
 
     def release(self, reservation: object) -> None:
         """Give back a reservation; a request that ended without a breaker verdict counts as abandoned."""
@@ -507,8 +603,17 @@ class WorkerPool:
         worker = reservation.worker
         worker.num_reserved -= 1
         worker.reserved_blocks -= reservation.demand_blocks
+        worker.prefill_started(reservation)
         if not reservation.verdict_given:
             worker.breaker.on_abandoned()
+
+    def num_serving_workers(self) -> int:
+        """Return the ready workers whose breaker is not open."""
+        return len(self._serving_clients())
+
+    def num_starting_workers(self) -> int:
+        """Return workers that will serve soon without having said Hello yet (none in a fixed pool)."""
+        return 0
 
     def total_kv_blocks(self) -> int:
         """Return the KV blocks of ready workers whose breaker is not open; 0 = no worker can serve."""

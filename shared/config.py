@@ -58,6 +58,9 @@ class GatewayConfig(_Section):
         worker_start_timeout_s: a spawned worker that has not said Hello by then is restarted.
         drain_timeout_s: on SIGTERM, how long requests already running may take to finish (new ones get 503
             ``server_draining``) before the gateway stops its workers and exits.
+        reuse_port: listen with ``SO_REUSEPORT``, so several gateway processes on one machine share ``port`` and
+            the kernel spreads new connections over them (each answers with its own ``x-sluice-gateway``; they
+            share rate limits and tier counters through ``[ratelimit]``'s Redis).
     """
 
     host: str = "127.0.0.1"
@@ -73,6 +76,7 @@ class GatewayConfig(_Section):
     worker_restart_backoff_s: float = 1.0
     worker_start_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
+    reuse_port: bool = False
 
 
 class WorkerConfig(_Section):
@@ -296,6 +300,10 @@ class AdmissionConfig(_Section):
         early_rejection: reject at arrival when the predicted queue wait exceeds the tier's deadline.
         rate_window_s: window over which dispatch rates are measured.
         max_retry_after_s: ceiling of ``Retry-After`` in seconds.
+        worker_prefill_queue_s: most seconds of prefill work (uncached prompt tokens ÷ the worker's measured
+            prefill rate) sent to a worker and not yet started; beyond it requests wait in the tier queues, where
+            priority and deadlines act. One request is always allowed; 0 = no limit (dispatch up to
+            ``max_num_seqs``).
     """
 
     enabled: bool = True
@@ -307,6 +315,7 @@ class AdmissionConfig(_Section):
     early_rejection: bool = True
     rate_window_s: float = 10.0
     max_retry_after_s: int = 120
+    worker_prefill_queue_s: float = 0.5
 
 
 class PressureLevelConfig(_Section):
@@ -423,6 +432,9 @@ class AutoscaleConfig(_Section):
             (utilisation × n ÷ (n − 1); for one worker: any use at all) stays below this fraction (0–1).
         initial_cold_start_s: cold-start estimate in seconds (spawn → Hello) until one has been measured.
         max_events: scale events kept for ``/status``.
+        demand_window_s: seconds of arrivals over which the offered load is measured (at most
+            ``admission.rate_window_s``); 0 = no load-proportional scaling.
+        target_utilisation: share of a worker's measured service rate the load-proportional rule plans for (0–1].
     """
 
     enabled: bool = True
@@ -430,6 +442,8 @@ class AutoscaleConfig(_Section):
     scale_down_utilisation: float = 0.5
     initial_cold_start_s: float = 30.0
     max_events: int = 100
+    demand_window_s: float = 10.0
+    target_utilisation: float = 0.9
 
 
 class RegistryConfig(_Section):
@@ -465,12 +479,21 @@ class RateLimitConfig(_Section):
         redis_url: the Redis of the ``redis`` backend; "" = ``registry.redis_url``.
         key_prefix: prefix of the bucket keys (the API key itself is stored only as a SHA-256 digest).
         timeout_s: socket timeout of one limiter call; on a Redis failure this gateway counts locally meanwhile.
+        share_tier_counters: publish this gateway's per-tier counters (queued, in flight, admitted, rejected) to the
+            same Redis (``redis_url``, else ``registry.redis_url``; off when neither is set, whatever ``backend``)
+            and read every other gateway's: ``/status`` ``fleet_tiers``, ``sluice_fleet_tier_*`` metrics, and each
+            tier's ``queue_capacity`` bounds the requests queued on all gateways together (``gateway.tier_counters``).
+        tier_counters_key_prefix: prefix of the tier counter keys; gateways that share counters use the same one.
+        tier_counters_interval_s: seconds between two publications; a gateway silent for 3 intervals is gone.
     """
 
     backend: Literal["local", "redis"] = "local"
     redis_url: str = ""
     key_prefix: str = "sluice:ratelimit"
     timeout_s: float = 0.5
+    share_tier_counters: bool = True
+    tier_counters_key_prefix: str = "sluice:tiers"
+    tier_counters_interval_s: float = 0.5
 
 
 class JobsConfig(_Section):
@@ -597,6 +620,8 @@ def validate_pool_config(config: Config) -> None:
     autoscale = config.autoscale
     if autoscale.interval_s <= 0 or autoscale.initial_cold_start_s < 0 or autoscale.max_events < 1:
         raise ConfigError("autoscale: need interval_s > 0, initial_cold_start_s ≥ 0 and max_events ≥ 1")
+    if not 0.0 < autoscale.target_utilisation <= 1.0 or autoscale.demand_window_s < 0:
+        raise ConfigError("autoscale: target_utilisation must be in (0, 1] and demand_window_s ≥ 0")
     if not 0.0 < autoscale.scale_down_utilisation <= 1.0:
         raise ConfigError(f"autoscale.scale_down_utilisation: must be in (0, 1], got "
                           f"{autoscale.scale_down_utilisation}")
@@ -607,6 +632,8 @@ def validate_pool_config(config: Config) -> None:
         raise ConfigError("registry: poll_interval_s and timeout_s must be > 0")
     if config.ratelimit.backend == "redis" and not (config.ratelimit.redis_url or registry.redis_url):
         raise ConfigError('ratelimit.redis_url: the "redis" backend needs a Redis URL (or registry.redis_url)')
+    if config.ratelimit.tier_counters_interval_s <= 0:
+        raise ConfigError("ratelimit.tier_counters_interval_s: must be > 0")
 
 
 def validate_admission_config(config: Config) -> None:

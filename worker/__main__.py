@@ -47,18 +47,19 @@ def _pressure(usage: float) -> str:
 
 
 def build_worker(config: Config, worker_id: str):
-    """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`."""
-    import torch
+    """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`.
 
+    The simulator never imports torch (seconds of a cold start for nothing it uses)."""
     from worker.engine import Engine
     from worker.kv_cache.manager import KVCacheManager
-    from worker.kv_cache.offload.chain import build_offload_chain
     from worker.scheduler import Scheduler
     from worker.server import WorkerServer
 
     wc = config.worker
     backend = wc.backend
     if backend == "auto":
+        import torch
+
         backend = "cuda" if torch.cuda.is_available() else "cpu"
     if backend == "sim":
         from worker.backends.sim import build_sim_runner
@@ -66,6 +67,9 @@ def build_worker(config: Config, worker_id: str):
         runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
         offload = None  # the simulator has no KV tensor to move
     else:
+        import torch
+
+        from worker.kv_cache.offload.chain import build_offload_chain
         from worker.model import load_model
         from worker.model_runner import ModelRunner
 

@@ -738,3 +738,48 @@ async def test_a_view_that_reports_capacity_from_inside_release_is_handled():
     controller.release(first)
     await task
     assert second.state is TicketState.ADMITTED and len(pool.reserved) == 1
+
+
+async def test_drain_rate_is_measured_while_the_queue_is_backlogged():
+    # The workers report an optimistic 1000 tokens/s; the queue really drains one 100-token request per second.
+    pool = FakePool(max_num_seqs=1, rate=1000.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, rate_window_s=30.0)
+    running = controller.make_ticket("vip", prompt(36), 64)
+    await controller.admit(running)  # not backlogged: this dispatch measures nothing
+    queued = [controller.make_ticket("vip", prompt(36), 64) for _ in range(5)]
+    tasks = [queued_task(controller, t) for t in queued]
+    await settle()
+    assert controller.backlog_rate_tokens_per_s() is None
+    assert controller.drain_rate_tokens_per_s() == pytest.approx(1000.0)  # the reports stand in meanwhile
+    for ticket in [running, *queued[:2]]:
+        clock.advance(1.0)
+        controller.release(ticket)  # capacity frees once a second, and the head of the backlog goes
+        await settle()
+    # 3 dispatches of 100 tokens over 3 backlogged worker-seconds
+    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.drain_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.predicted_wait_s("vip") == pytest.approx(2.0)  # 2 × 100 tokens still queued
+    # time with an empty queue is not service time: the measure stays put while idle
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    clock.advance(5.0)
+    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+
+
+async def test_arrival_rate_counts_every_arrival_admitted_or_not():
+    pool = FakePool(max_num_seqs=1, rate=100.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, rate_window_s=10.0)
+    await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    waiting = [queued_task(controller, controller.make_ticket("vip", prompt(36), 64)) for _ in range(6)]
+    await settle()
+    with pytest.raises(SluiceError):  # 6 s of work ahead > the 5 s deadline: rejected, but it was offered load
+        await controller.admit(controller.make_ticket("vip", prompt(36), 64))
+    assert controller.arrival_rate_tokens_per_s(5.0) == pytest.approx(8 * 100 / 5.0)
+    clock.advance(6.0)
+    assert controller.arrival_rate_tokens_per_s(5.0) == 0.0
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

@@ -302,3 +302,60 @@ def test_with_autoscaling_off_a_pool_below_min_still_expects_a_cold_start():
     scaler = make(FakeClock(), pool(min_workers=1, max_workers=4), enabled=False)
     assert scaler.predicted_wait_s(obs([])) == 20.0  # the missing min worker will be started
     assert make(FakeClock(), pool(min_workers=0), enabled=False).predicted_wait_s(obs([])) is None
+
+
+def demand_obs(ws, demand_workers, queued=0, utilisation=0.0) -> PoolObservation:
+    return PoolObservation("p", ws, None, queued, PressureLevel.NORMAL, utilisation, demand_workers)
+
+
+def test_offered_load_starts_the_workers_it_needs_at_once_capped_by_max():
+    clock = FakeClock()
+    scaler = make(clock)
+    # from zero: a queued request and a load of 2.3 workers start 3 at once (not one, then more later)
+    [decision] = scaler.tick([demand_obs([], 2.3, queued=5)])
+    assert (decision.reason, decision.num_workers) == (ScaleReason.QUEUED_WITHOUT_WORKER, 3)
+    # one ready, one starting, load of 3.5 workers: start 2 more now, no sustain window
+    [decision] = scaler.tick([demand_obs(workers(READY, STARTING), 3.5)])
+    assert (decision.action, decision.reason, decision.num_workers) == (
+        ScaleAction.UP, ScaleReason.DEMAND_ABOVE_CAPACITY, 2)
+    # a load beyond max_workers: only up to max_workers (4)
+    [decision] = scaler.tick([demand_obs(workers(READY, READY), 9.0)])
+    assert decision.num_workers == 2
+    # exactly enough ready and starting: nothing
+    assert scaler.tick([demand_obs(workers(READY, READY, STARTING), 3.0)]) == []
+
+
+def test_offered_load_holds_workers_that_low_utilisation_would_stop():
+    clock = FakeClock()
+    scaler = make(clock, pool(scale_down_after_s=10.0))
+    # low utilisation, but arrivals still need 2 workers: nobody is stopped, however long it lasts
+    for now_s in (0.0, 20.0, 40.0):
+        clock.now_s = now_s
+        assert scaler.tick([demand_obs(workers(READY, READY), 1.5, utilisation=0.1)]) == []
+    clock.now_s = 41.0
+    assert scaler.tick([demand_obs(workers(READY, READY), 0.5, utilisation=0.1)]) == []  # the window starts
+    clock.now_s = 51.0
+    [decision] = scaler.tick([demand_obs(workers(READY, READY), 0.5, utilisation=0.1)])
+    assert (decision.action, decision.reason) == (ScaleAction.DOWN, ScaleReason.LOW_UTILISATION)
+
+
+def test_an_idle_pool_stops_one_worker_per_tick_after_the_window():
+    clock = FakeClock()
+    scaler = make(clock, pool(scale_down_after_s=10.0))
+    assert scaler.tick([demand_obs(workers(READY, READY, READY), 0.0)]) == []
+    clock.now_s = 10.0
+    [first] = scaler.tick([demand_obs(workers(READY, READY, READY), 0.0)])
+    assert (first.action, first.reason, first.worker_id) == (ScaleAction.DOWN, ScaleReason.IDLE, "w2")
+    # the next tick, with the first one still draining, stops the next: no second window for an idle pool
+    clock.now_s = 10.5
+    [second] = scaler.tick([demand_obs(workers(READY, READY, DRAINING), 0.0)])
+    assert (second.reason, second.worker_id) == (ScaleReason.IDLE, "w1")
+    # a busy pool (any use) waits a full window after each stop
+    scaler = make(clock, pool(scale_down_after_s=10.0), scale_down_utilisation=0.9)
+    clock.now_s = 100.0
+    assert scaler.tick([demand_obs(workers(READY, READY, READY), None, utilisation=0.2)]) == []
+    clock.now_s = 110.0
+    [decision] = scaler.tick([demand_obs(workers(READY, READY, READY), None, utilisation=0.2)])
+    assert decision.reason is ScaleReason.LOW_UTILISATION
+    clock.now_s = 110.5
+    assert scaler.tick([demand_obs(workers(READY, READY), None, utilisation=0.2)]) == []

@@ -309,6 +309,7 @@ early_rejection = false  # the burst must queue: its first prediction (before an
 [autoscale]
 interval_s = 0.25
 scale_down_utilisation = 1.0
+demand_window_s = 0.5  # the offered load is forgotten soon after the last arrival: the drain overlaps the long ones
 
 [[pools]]
 name = "sim"
@@ -325,7 +326,7 @@ target_queue_wait_s = 0.5
         async def load():
             async with aiohttp.ClientSession() as session:
                 # 10 requests for 8 slots: 2 wait, the queue wait is predicted above target → a second worker
-                lengths = [30, 30, 40, 40, 50, 50, 60, 60, 300, 300]
+                lengths = [30, 30, 40, 40, 50, 50, 60, 60, 60, 60]
                 tasks = []
                 for i, n in enumerate(lengths):
                     tasks.append(asyncio.create_task(chat(session, gw.base_url, f"request {i} " + "x " * 20, n,
@@ -333,14 +334,14 @@ target_queue_wait_s = 0.5
                     await asyncio.sleep(0.05)
                 await asyncio.to_thread(wait_for, lambda: gw.pool("sim")["workers"]["ready"] == 2, START_TIMEOUT_S,
                                         "the second worker")
-                # two more long ones, with their own system prompts (no cached prefix pulls them to the first
-                # worker): the new worker, with the most free KV, takes at least one; use is then low enough to
-                # scale down while they run, so the worker drained still runs requests
-                for i in range(2):
-                    lengths.append(300)
-                    tasks.append(asyncio.create_task(chat(session, gw.base_url, "y " * 20, 300, stream=True,
-                                                          system=f"You are assistant number {i}.")))
-                return lengths, await asyncio.gather(*tasks)
+                results = await asyncio.gather(*tasks)
+                # two more long ones, with their own system prompts (no cached prefix pulls them together): one on
+                # each worker (equal free KV, then the fewest reservations); use is then low enough to scale down
+                # while they run, so the worker drained still runs a request
+                long_tasks = [asyncio.create_task(chat(session, gw.base_url, "y " * 20, 300, stream=True,
+                                                       system=f"You are assistant number {i}.")) for i in range(2)]
+                lengths += [300, 300]
+                return lengths, results + await asyncio.gather(*long_tasks)
 
         lengths, results = asyncio.run(load())
         for n, (code, _, body) in zip(lengths, results):
@@ -361,7 +362,7 @@ target_queue_wait_s = 0.5
         assert "sluice_worker_cold_start_seconds_count" in metrics
 
 
-def test_from_zero_a_request_waits_through_the_cold_start_or_gets_503_when_it_cannot_make_its_deadline():
+def test_from_zero_a_request_waits_through_the_cold_start_or_gets_503_when_it_cannot_make_its_deadline(tmp_path):
     config = TIERS + f"""
 [sim]
 time_scale = {SIM_TIME_SCALE}
@@ -376,6 +377,7 @@ backend = "sim"
 min_workers = 0
 max_workers = 1
 scale_down_after_s = 1.0
+env = {{ XDG_CACHE_HOME = "{tmp_path}" }}  # a first start on this machine: the worker loads the tokenizer
 """
     with Gateway(config) as gw:
         assert gw.pool("sim")["workers"] == {"starting": 0, "ready": 0, "draining": 0}

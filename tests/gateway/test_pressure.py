@@ -102,6 +102,7 @@ def test_level_policies_give_caps_deadlines_and_shed_tiers(monitor: PressureMoni
     assert monitor.max_tokens_cap("free") == 256
     assert monitor.max_tokens_cap("vip") is None
     assert monitor.queue_timeout_s("free", 30.0) == 15.0
+    assert monitor.queue_timeout_s("free", 8.0) == 8.0  # a level tightens a tier's own deadline, never loosens it
     assert not monitor.sheds("batch")
     monitor.observe(8.5, 0.0)
     assert monitor.max_tokens_cap("free") == 64

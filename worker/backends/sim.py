@@ -78,26 +78,67 @@ class SimRunner:
         }
 
 
-def build_sim_runner(config: Config):
-    """Build the simulator from config: ``(runner, spec, num_kv_blocks, device_name, attention_name)``.
+def tokenizer_facts(path: str) -> tuple[int, list[int], list[int]]:
+    """Return ``(vocab_size, special_token_ids, eos_token_ids)`` of the tokenizer at ``path`` (a GGUF file or an HF
+    folder), loaded with transformers.
 
-    The vocabulary is the real tokenizer's (the served model's), without its special tokens, so the gateway
-    detokenizes the simulated output like real output.
+    The answer is cached as JSON under ``$XDG_CACHE_HOME/sluice/sim`` (default ``~/.cache``), keyed by the path, size
+    and mtime of the model file, so a simulated worker's cold start after the first is Python start-up, not a
+    tokenizer load from the GGUF (seconds). A cache that cannot be read or written is ignored.
     """
+    import json
+    import os
+
+    target = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
+    try:
+        st = os.stat(target)
+        key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+        cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice", "sim")
+        cache_path = os.path.join(cache_dir, f"{key}.json")
+    except OSError:
+        cache_path = ""
+    if cache_path:
+        try:
+            with open(cache_path) as f:
+                facts = json.load(f)
+            return int(facts["vocab_size"]), list(facts["special_ids"]), list(facts["eos_ids"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(config.model)
     if path.endswith(".gguf"):
         folder, _, name = path.rpartition("/")
         tokenizer = AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(len(tokenizer)) if i not in special]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab_size = len(tokenizer)
+    special_ids = sorted(set(tokenizer.all_special_ids))
+    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if cache_path:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp_path = f"{cache_path}.{os.getpid()}.tmp"
+            with open(tmp_path, "w") as f:
+                json.dump({"path": path, "vocab_size": vocab_size, "special_ids": special_ids, "eos_ids": eos_ids}, f)
+            os.replace(tmp_path, cache_path)
+        except OSError:
+            pass
+    return vocab_size, special_ids, eos_ids
+
+
+def build_sim_runner(config: Config):
+    """Build the simulator from config: ``(runner, spec, num_kv_blocks, device_name, attention_name)``.
+
+    The vocabulary is the real tokenizer's (the served model's), without its special tokens, so the gateway
+    detokenizes the simulated output like real output (see :func:`tokenizer_facts`).
+    """
+    path = resolve_model_path(config.model)
+    vocab_size, special_ids, eos = tokenizer_facts(path)
+    special = set(special_ids)
+    vocab = [i for i in range(vocab_size) if i not in special]
     sim = config.sim
     bytes_per_block = sim.kv_bytes_per_token * config.worker.block_size_tokens
     num_blocks = int(sim.kv_cache_gib * GIB // bytes_per_block)
-    spec = SimModelSpec(vocab_size=len(tokenizer), eos_token_ids=eos,
+    spec = SimModelSpec(vocab_size=vocab_size, eos_token_ids=eos,
                         max_position_embeddings=sim.max_model_len_tokens)
     return SimRunner(sim, vocab), spec, num_blocks, "sim:roofline", "sim"

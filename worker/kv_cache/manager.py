@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from shared.config import KVConfig
 from worker.kv_cache.block_pool import BlockPool
@@ -35,10 +36,12 @@ from worker.kv_cache.eviction import (
     make_policy,
     retention_for_pressure,
 )
-from worker.kv_cache.offload.chain import OffloadChain
 from worker.kv_cache.prefix_cache import PrefixCache, hash_token_blocks
 from worker.kv_cache.stats import KVStats
 from worker.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the offload tiers import torch; a simulated worker never loads them
+    from worker.kv_cache.offload.chain import OffloadChain
 
 PREEMPT_SWAP = "swap"
 PREEMPT_RECOMPUTE = "recompute"

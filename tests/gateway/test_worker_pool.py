@@ -1,0 +1,117 @@
+"""WorkerPool routing decisions: the prefill backlog limit that keeps the queue in the gateway.
+
+The clients are real :class:`WorkerClient` objects whose Hello / Capacity are set by hand and whose writer is a
+recorder, because these tests pin exact decisions (which worker, or none); the real connection is exercised by the
+gateway's end-to-end tests.
+"""
+
+from __future__ import annotations
+
+from gateway.workers import MIN_PREFILL_BUDGET_TOKENS, WorkerClient, WorkerPool
+from shared.protocol import Capacity, Finished, Generate, Hello, SamplingParams, TokenDelta
+
+
+class RecordingWriter:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def client(name: str, prefill_tokens_per_s: float = 2000.0, max_num_seqs: int = 8) -> WorkerClient:
+    worker = WorkerClient(f"unix:/nonexistent/{name}", name)
+    worker.hello = Hello(worker_id=name, model_id="m", backend="sim", device="sim", block_size_tokens=16,
+                         num_kv_blocks=10_000, kv_capacity_tokens=160_000, max_num_seqs=max_num_seqs,
+                         max_model_len_tokens=8192)
+    worker.capacity = Capacity(free_kv_blocks=10_000, total_kv_blocks=10_000, used_kv_blocks=0, cached_kv_blocks=0,
+                               num_running=0, num_waiting=0, prefill_tokens_per_s=prefill_tokens_per_s)
+    worker._writer = RecordingWriter()  # type: ignore[assignment]
+    return worker
+
+
+def prompt(num_tokens: int, salt: int = 0) -> list[int]:
+    return [salt * 100_000 + i for i in range(num_tokens)]
+
+
+def test_a_worker_holds_at_most_its_prefill_budget_of_unstarted_prompts():
+    a, b = client("a"), client("b")
+    pool = WorkerPool([a, b], prefill_queue_s=0.5)  # budget: 2000 tokens/s × 0.5 s = 1000 tokens per worker
+    assert a.prefill_budget_tokens(0.5) == 1000
+    first = pool.try_reserve(60, "standard", prompt(800, 1))
+    second = pool.try_reserve(60, "standard", prompt(800, 2))
+    assert {first.worker.name, second.worker.name} == {"a", "b"}  # the second goes where nothing is pending
+    assert pool.try_reserve(60, "standard", prompt(800, 3)) is None  # 800 + 800 > 1000 on both: wait in the queue
+    assert pool.try_reserve(5, "standard", prompt(200, 4)) is not None  # 800 + 200 fits
+    # the first prompt starts (its first token arrives): its worker has room again
+    stream = first.worker.start_request(Generate(request_id="r1", prompt_token_ids=prompt(800, 1),
+                                                 sampling=SamplingParams(), max_tokens=8), first)
+    first.worker._on_message(TokenDelta(request_id="r1", token_ids=[7], first_token_latency_ms=5.0))
+    assert not first.prefill_pending
+    third = pool.try_reserve(60, "standard", prompt(800, 3))
+    assert third is not None and third.worker is first.worker
+    assert stream.reservation is first
+    # releasing a reservation whose prompt never started takes it out of the backlog as well, once
+    pending_before = second.worker.pending_prefill_tokens
+    pool.release(second)
+    assert second.worker.pending_prefill_tokens == pending_before - 800
+    second.worker.prefill_started(second)  # a late first token after the release changes nothing
+    assert second.worker.pending_prefill_tokens == pending_before - 800
+
+
+def test_one_prompt_larger_than_the_budget_still_goes_to_an_idle_worker():
+    a = client("a", prefill_tokens_per_s=100.0)  # a tiny measured rate: the floor applies
+    pool = WorkerPool([a], prefill_queue_s=0.5)
+    assert a.prefill_budget_tokens(0.5) == MIN_PREFILL_BUDGET_TOKENS
+    big = pool.try_reserve(300, "vip", prompt(4000))
+    assert big is not None  # nothing pending: one request always goes
+    assert pool.try_reserve(2, "vip", prompt(20, 1)) is None  # now 4000 tokens are pending
+    a.start_request(Generate(request_id="big", prompt_token_ids=prompt(4000), sampling=SamplingParams(),
+                             max_tokens=4), big)
+    a._on_message(Finished(request_id="big", finish_reason="length", prompt_tokens=4000, cached_tokens=0,
+                           completion_tokens=4))
+    assert a.num_pending_prefill == 0 and a.pending_prefill_tokens == 0
+    assert pool.try_reserve(2, "vip", prompt(20, 1)) is not None
+
+
+def test_no_prefill_limit_when_switched_off_or_before_a_rate_is_measured():
+    a = client("a")
+    pool = WorkerPool([a], prefill_queue_s=0.0)
+    assert [pool.try_reserve(60, "standard", prompt(900, i)) is not None for i in range(8)] == [True] * 8
+    assert pool.try_reserve(60, "standard", prompt(900, 9)) is None  # max_num_seqs still holds
+    b = client("b", prefill_tokens_per_s=0.0)
+    pool = WorkerPool([b], prefill_queue_s=0.5)
+    assert b.prefill_budget_tokens(0.5) == float("inf")
+    assert pool.try_reserve(60, "standard", prompt(900, 1)) is not None
+    assert pool.try_reserve(60, "standard", prompt(900, 2)) is not None
+
+
+def test_cached_prefix_does_not_count_as_prefill_work():
+    a = client("a")
+    pool = WorkerPool([a], prefill_queue_s=0.5)  # budget 1000 tokens
+    history = prompt(960)
+    first = pool.try_reserve(70, "standard", history)
+    pool.dispatched(first)  # the history's blocks are now in a's prefix cache (as far as the gateway knows)
+    a.prefill_started(first)
+    turn = pool.try_reserve(70, "standard", history + prompt(40, 7))
+    assert turn.prefill_tokens == 40  # 960 cached tokens, 40 new
+    assert pool.try_reserve(60, "standard", prompt(900, 8)) is not None  # 40 + 900 ≤ 1000
+
+
+def test_lower_tiers_pending_prompts_do_not_hold_back_a_higher_tier():
+    a = client("a")
+    pool = WorkerPool([a], prefill_queue_s=0.5)  # budget 1000 tokens
+    pool.tier_priorities = {"vip": 3, "standard": 2, "free": 1}
+    assert pool.try_reserve(60, "free", prompt(900, 1)) is not None
+    assert pool.try_reserve(60, "free", prompt(900, 2)) is None  # free behind free: over budget
+    assert pool.try_reserve(60, "standard", prompt(900, 3)) is not None  # the worker prefills standard first
+    assert pool.try_reserve(60, "standard", prompt(900, 4)) is None  # standard behind standard: over budget
+    assert pool.try_reserve(60, "vip", prompt(900, 5)) is not None
+    assert a.pending_prefill_ahead(3) == (1, 900)
+    assert a.pending_prefill_ahead(1) == (3, 2700)
+    # with every tier alike (the FIFO baseline), all pending prompts count
+    pool.tier_priorities = {}
+    assert pool.try_reserve(60, "vip", prompt(10, 6)) is None

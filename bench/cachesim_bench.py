@@ -1,7 +1,8 @@
 """Compare every eviction policy with Belady's MIN on the Mooncake conversation trace (issue 4 acceptance).
 
-Replays the trace (block 0, shared by every request, left out) at 5, 10, 25 and 50% of its distinct blocks
-through the real BlockPool / PrefixCache / policies (``worker.kv_cache.cachesim``), and writes
+Replays the trace (block 0, shared by every request, left out; so is each prompt's partial last block, which the
+worker never caches: see ``worker.kv_cache.cachesim``) at 5, 10, 25 and 50% of its distinct full blocks through the
+real BlockPool / PrefixCache / policies, and writes
 ``bench/results/cachesim.json`` and ``bench/results/cachesim.png``. Tier mix: conversations hashed to
 vip / standard / free = 20 / 60 / 20% (priorities 2 / 1 / 0). Takes about a minute on one core.
 
@@ -57,6 +58,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"trace": Path(args.trace).name, **stats, "tier_mix": [list(t) for t in DEFAULT_TIER_MIX],
               "ttl_s_by_tier": DEFAULT_TTL_S_BY_TIER, "belady": "MIN with bypass over the block reference stream",
+              "block_references": "full prompt blocks; the partial last block takes a pool block but is never cached",
               "elapsed_s": elapsed_s, "runs": runs}
     (out_dir / "cachesim.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     plot(runs, out_dir / "cachesim.png", title="Mooncake conversation trace: block hit rate")

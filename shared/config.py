@@ -148,7 +148,7 @@ class KVConfig(_Section):
     its tier) is below its recompute time (tokens ÷ measured prefill rate).
 
     Attributes:
-        eviction_policy: device pool policy: ``lru``, ``lfu``, ``ttl``, ``tier`` or ``sluice``.
+        eviction_policy: device pool policy: ``lru``, ``lfu``, ``ttl``, ``tier``, ``sluice`` or ``chain`` (see ``worker.kv_cache.eviction``).
         default_cache_ttl_s: retention of a request that names none (``Generate.cache_ttl_s == 0``); 0 = no expiry.
         max_cache_ttl_s: ceiling on any request's retention in seconds.
         max_cache_ttl_s_by_tier: tier name → ceiling on that tier's retention in seconds (tighter than the above).

@@ -38,14 +38,18 @@ def write_trace(path: Path, rows: list[tuple[int, list[int]]], partial: bool = F
 TINY = [(0, [0, 1, 2, 3]), (1000, [0, 1, 2, 4]), (2000, [0, 1, 5]), (3000, [0, 1, 2, 3])]
 
 
-def test_load_trace_drops_the_shared_first_block_and_flags_partial_tails(tmp_path: Path) -> None:
-    rows = [(2000, [0, 1, 5]), (0, [0, 1, 2, 3])]  # out of order on purpose
+def test_load_trace_drops_the_shared_first_block_and_the_partial_last_block(tmp_path: Path) -> None:
+    rows = [(2000, [0, 1, 5]), (0, [0, 1, 2, 3]), (3000, [0, 9])]  # out of order on purpose
     requests = load_trace(write_trace(tmp_path / "t.jsonl", rows, partial=True))
-    assert [r.block_hashes for r in requests] == [(1, 2, 3), (1, 5)]
+    # the partial last hash is not a reference; [0, 9] keeps no full block of its own and is skipped
+    assert [r.block_hashes for r in requests] == [(1, 2), (1,)]
     assert [r.arrival_s for r in requests] == [0.0, 2.0]
     assert all(r.last_block_partial for r in requests)
     kept = load_trace(tmp_path / "t.jsonl", drop_shared_first_block=False)
-    assert kept[0].block_hashes == (0, 1, 2, 3)
+    assert kept[0].block_hashes == (0, 1, 2)
+    full = load_trace(write_trace(tmp_path / "f.jsonl", rows))
+    assert [r.block_hashes for r in full] == [(1, 2, 3), (1, 5), (9,)]
+    assert not any(r.last_block_partial for r in full)
     mixed = load_trace(write_trace(tmp_path / "m.jsonl", [(0, [0, 1]), (1, [7, 8])]))
     assert [r.block_hashes for r in mixed] == [(0, 1), (7, 8)]  # no block shared by all: nothing dropped
 
@@ -75,16 +79,22 @@ def test_hits_stop_at_the_first_miss_even_when_later_blocks_are_cached() -> None
     assert sim.pool.num_used_blocks == 0  # every block released after each request
 
 
-def test_sluice_evicts_a_newer_partial_tail_before_an_older_reusable_block() -> None:
-    """Capacity 4. r1 caches [1 2]; r2 caches [5 9], 9 partial; r3 needs one block; r4 returns to [1 2].
+def test_a_partial_last_block_takes_a_pool_block_while_running_but_is_never_cached() -> None:
+    """Capacity 4, LRU. r1 [1 2] + partial: 3 blocks in use, [1 2] cached, the partial one back to the free list.
 
-    LRU evicts 2 (oldest; chains go tail first) and r4 hits only block 1; sluice evicts the partial block 9
-    (prior reuse 0.02 vs 0.25 -> key 1 + 300 ln 0.02 = -1172 s vs 0 + 300 ln 0.25 = -416 s) and r4 hits both.
+    r2 [5 6] + partial needs 3 blocks: the 2 free ones and one victim (2, the tail of [1 2]); r3 returns to [1 2]
+    and hits only 1. Without the partial blocks r2 would have found 2 free blocks and r3 would hit both.
     """
-    requests = [TraceRequest(0.0, (1, 2), False), TraceRequest(1.0, (5, 9), True),
-                TraceRequest(2.0, (7,), False), TraceRequest(3.0, (1, 2), False)]
-    assert simulate_policy(requests, 4, "lru").num_hit_blocks == 1
-    assert simulate_policy(requests, 4, "sluice").num_hit_blocks == 2
+    requests = [TraceRequest(0.0, (1, 2), True), TraceRequest(1.0, (5, 6), True), TraceRequest(2.0, (1, 2), False)]
+    sim = PrefixCacheSim(4, make_policy("lru"))
+    assert [sim.access(r) for r in requests[:2]] == [0, 0]
+    assert sorted(sim.prefix_cache._hash_to_block_id) == [1, 5, 6]  # no partial block is ever cached
+    assert sim.access(requests[2]) == 1 and sim.pool.num_used_blocks == 0
+    result = simulate_policy(requests, 4, "lru")
+    assert (result.num_hit_blocks, result.num_block_refs) == (1, 6)  # partial blocks are not references
+    whole = [TraceRequest(r.arrival_s, r.block_hashes, False) for r in requests]
+    assert simulate_policy(whole, 4, "lru").num_hit_blocks == 2
+    assert simulate_belady(requests, 4).num_block_refs == 6  # Belady sees the same reference stream
 
 
 def synthetic_requests(seed: int, num_conversations: int = 60, num_requests: int = 400) -> list[TraceRequest]:
@@ -133,6 +143,17 @@ def test_belady_bounds_every_policy_on_a_mooncake_slice_and_lru_is_below_it() ->
         assert entry["policies"]["lru"]["fraction_of_belady"] < 0.95  # the gap the policies compete in
 
 
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake conversation trace not present")
+def test_chain_beats_lru_on_a_mooncake_slice_once_it_has_settled_history() -> None:
+    """The first 3,000 requests (987 s): the chain policy is LRU until its first chains settle (600 s), then learns."""
+    requests = load_trace(MOONCAKE, max_requests=3000)
+    num_distinct = trace_stats(requests)["num_distinct_blocks"]
+    for capacity_blocks in (num_distinct // 20, num_distinct // 10):
+        lru = simulate_policy(requests, capacity_blocks, "lru")
+        chain = simulate_policy(requests, capacity_blocks, "chain")
+        assert chain.hit_rate > 1.1 * lru.hit_rate, capacity_blocks
+
+
 def test_tier_mix_is_deterministic_and_close_to_its_percents() -> None:
     tiers = [tier_of(h, DEFAULT_TIER_MIX)[0] for h in range(20000)]
     assert tiers == [tier_of(h, DEFAULT_TIER_MIX)[0] for h in range(20000)]
@@ -159,4 +180,4 @@ def test_cli_rejects_an_unknown_policy_with_the_valid_names(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     assert sluice_main(["cachesim", str(trace), "--policy", "arc"]) == 2
-    assert "valid: lfu, lru, sluice, tier, ttl" in capsys.readouterr().err
+    assert "valid: chain, lfu, lru, sluice, tier, ttl" in capsys.readouterr().err

@@ -4,11 +4,14 @@ return-aware policy's learning, pressure switching, and the name registry."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
+from shared.config import KVConfig
 from worker.kv_cache.eviction import (
     BlockMeta,
+    ChainPolicy,
     EvictionPolicy,
     LFUPolicy,
     RetentionConfig,
@@ -20,6 +23,8 @@ from worker.kv_cache.eviction import (
     policy_names,
     retention_for_pressure,
 )
+from worker.kv_cache.manager import KVCacheManager
+from worker.sequence import Sequence, SequenceStatus
 
 
 def drain(policy: EvictionPolicy, now_s: float = 0.0) -> list[int]:
@@ -35,15 +40,15 @@ def meta(block_id: int, **fields) -> BlockMeta:
 
 
 def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
-    assert policy_names() == ["lfu", "lru", "sluice", "tier", "ttl"]
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: lfu, lru, sluice, tier, ttl"):
+    assert policy_names() == ["chain", "lfu", "lru", "sluice", "tier", "ttl"]
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: chain, lfu, lru, sluice, tier, ttl"):
         make_policy("mru")
     for name in policy_names():
         policy = make_policy(name)
         assert policy.name == name and len(policy) == 0 and policy.pop_victim(0.0) is None
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "ttl", "tier", "sluice"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "ttl", "tier", "sluice", "chain"])
 def test_every_policy_tracks_membership_and_removal(name: str) -> None:
     policy = make_policy(name)
     for block_id in (1, 2, 3):
@@ -192,6 +197,167 @@ def test_sluice_ghost_hit_counts_as_a_return_and_as_a_second_use() -> None:
     assert policy.num_outcomes == {("new", False, 1): 1}
     # the recomputed block is now known as used twice, so it outranks block 2 (used once) at equal probability
     assert policy._uses[7] == 2
+
+
+def release(policy: EvictionPolicy, block_ids: list[int], now_s: float, num_cached: int = 0) -> None:
+    """Release one request's block table as the pool does: tail first, one clock reading (block_idx = position)."""
+    for block_idx in reversed(range(len(block_ids))):
+        block_id = block_ids[block_idx]
+        policy.insert(block_id, meta(block_id, block_idx=block_idx, num_request_blocks=len(block_ids),
+                                     num_request_cached_blocks=num_cached), now_s)
+
+
+def teach(policy: ChainPolicy, reuse_fraction_by_class: dict[tuple, float], num_blocks: float = 1e6) -> None:
+    """Give the policy settled history: ``num_blocks`` blocks of each class, reused at the given fractions."""
+    for block_class, fraction in reuse_fraction_by_class.items():
+        policy.num_settled_blocks[block_class] = num_blocks
+        policy.num_reused_blocks[block_class] = fraction * num_blocks
+
+
+def test_chain_classifies_fresh_returning_and_shared_prefix_blocks() -> None:
+    assert ChainPolicy.classify(turn=0, num_new_blocks=3, num_uses=0) == (0, 4)  # fresh, 3 blocks
+    assert ChainPolicy.classify(turn=1, num_new_blocks=1, num_uses=1) == (1, 1)  # came back with one new block
+    assert ChainPolicy.classify(turn=1, num_new_blocks=1, num_uses=0) == (1, 1)  # ... the new block itself
+    assert ChainPolicy.classify(turn=1, num_new_blocks=1, num_uses=3) == ("shared", 3)  # an earlier turn's block
+    assert ChainPolicy.classify(turn=2, num_new_blocks=40, num_uses=2) == (2, 64)
+    assert ChainPolicy.classify(turn=7, num_new_blocks=300, num_uses=12) == ("shared", 8)
+
+
+def test_chain_without_history_is_lru_with_chains_cut_tail_first() -> None:
+    policy = ChainPolicy()
+    release(policy, [1, 2, 3], 0.0)  # fresh chain
+    release(policy, [7], 1.0)
+    policy.remove(1)  # a request reuses the prefix [1] ...
+    release(policy, [1, 4], 2.0, num_cached=1)  # ... and adds block 4
+    assert len(policy) == 5 and 1 in policy
+    assert drain(policy, 2.0) == [3, 2, 7, 4, 1]  # oldest release first; within a chain the tail first
+
+
+def test_chain_evicts_by_learned_reuse_over_recency() -> None:
+    """Fresh 2-block chains are rarely reused (p 0.1), one-block returns often (p 0.6).
+
+    t=0 fresh [1 2]; t=10 a request reuses 1 and adds 3 (class (1, 1)); t=20 fresh [4 5].
+    Rates p / (1 + idle / 100 s) at t=20: block 2: 0.1 / 1.2; block 3: 0.6 / 1.1; blocks 4, 5: 0.1 / 1.0.
+    LRU would evict 2 3 1 5 4; the policy keeps the returning chain [1 3] over the newer fresh one.
+    """
+    policy = ChainPolicy()
+    teach(policy, {(0, 2): 0.1, (1, 1): 0.6})
+    release(policy, [1, 2], 0.0)
+    policy.remove(1)
+    release(policy, [1, 3], 10.0, num_cached=1)
+    release(policy, [4, 5], 20.0)
+    assert policy.return_rate((0, 2), 20.0) == pytest.approx(0.1 / 1.2, rel=1e-4)
+    assert drain(policy, 20.0) == [2, 5, 4, 3, 1]
+
+
+def test_chain_parks_a_prefix_until_its_last_child_is_gone() -> None:
+    """Same history, but returns with one new block are the rare class now (p 0.1) and fresh chains common (0.6).
+
+    Block 1 (released at t=10 with the return, class (1, 1)) has the lowest rate after block 3, but block 2 of the
+    first chain still hangs below it: 1 is parked, 2 goes, then 1. Without leaves first: 3 1 2 5 4 (2 orphaned).
+    """
+    policy = ChainPolicy()
+    teach(policy, {(0, 2): 0.6, (1, 1): 0.1})
+    release(policy, [1, 2], 0.0)
+    policy.remove(1)
+    release(policy, [1, 3], 10.0, num_cached=1)
+    release(policy, [4, 5], 20.0)
+    assert [policy.pop_victim(20.0) for _ in range(2)] == [3, 2]
+    assert len(policy) == 3 and 1 in policy
+    assert drain(policy, 20.0) == [1, 5, 4]
+
+
+def test_chain_parked_prefix_reused_again_leaves_the_evictable_set() -> None:
+    policy = ChainPolicy()
+    teach(policy, {(0, 2): 0.6, (1, 1): 0.1})
+    release(policy, [1, 2], 0.0)
+    policy.remove(1)
+    release(policy, [1, 3], 10.0, num_cached=1)
+    assert policy.pop_victim(20.0) == 3
+    assert policy.pop_victim(20.0) == 2  # 1 was parked behind its child 2 and is next in line ...
+    release(policy, [8, 9], 21.0)
+    policy.remove(1)  # ... when a request reuses it: it leaves the evictable set
+    assert 1 not in policy and len(policy) == 2
+    assert drain(policy, 30.0) == [9, 8]
+
+
+def test_chain_evicts_blocks_idle_past_the_window_first_whatever_their_class() -> None:
+    """[1 2] of a class reused 90% of the time, idle 650 s > window_s, goes before a fresh block of a 5% class."""
+    policy = ChainPolicy(window_s=600.0)
+    teach(policy, {(0, 2): 0.9, (0, 1): 0.05})
+    release(policy, [1, 2], 0.0)
+    release(policy, [3], 650.0)
+    assert policy.return_rate((0, 2), 650.0) == 0.0 and policy.return_rate((0, 2), 599.0) > 0.1
+    assert drain(policy, 650.0) == [2, 1, 3]  # without the cut: 0.9 / 7.5 = 0.12 > 0.05, so 3 would go first
+
+
+def test_chain_settles_reuse_fractions_after_the_window() -> None:
+    """Reuse counts only once a chain is ``window_s`` old: [1 2 3 4] half reused at t=100, [5] never."""
+    policy = ChainPolicy(window_s=600.0, prior_reuse=0.3, prior_weight_blocks=20.0)
+    release(policy, [1, 2, 3, 4], 0.0)  # class (0, 4)
+    release(policy, [5], 0.0)  # class (0, 1)
+    for block_id in (1, 2):
+        policy.remove(block_id)
+    release(policy, [1, 2, 6], 100.0, num_cached=2)  # reuses the first 2 of 4 blocks
+    assert policy.num_settled_blocks == {}  # nothing is 600 s old yet: every class at the prior
+    assert policy.reuse_fraction((0, 4)) == policy.reuse_fraction((0, 1)) == pytest.approx(0.3)
+    policy.pop_victim(600.0)
+    assert policy.num_settled_blocks == {(0, 4): 4, (0, 1): 1}
+    assert policy.num_reused_blocks == {(0, 4): 2, (0, 1): 0}
+    pooled = (2 + 0.3 * 20) / (5 + 20)
+    assert policy.reuse_fraction((0, 4)) == pytest.approx((2 + pooled * 20) / (4 + 20))
+    assert policy.reuse_fraction((0, 1)) == pytest.approx(pooled * 20 / (1 + 20))
+
+
+def test_chain_recomputed_after_eviction_counts_as_returning() -> None:
+    policy = ChainPolicy(ghost_factor=2.0)
+    release(policy, [1, 2], 0.0)
+    assert drain(policy, 5.0) == [2, 1]  # their hashes go to the ghost list
+    # the same content computed again in blocks 7 and 8, plus one new block 9: a return after eviction
+    for block_id, block_hash, block_idx in ((9, 3000, 2), (8, 1002, 1), (7, 1001, 0)):
+        policy.insert(block_id, BlockMeta(block_hash=block_hash, block_idx=block_idx), 30.0)
+    assert policy._blocks[9].block_class == (1, 1)
+    assert policy._blocks[8].num_uses == 2
+
+
+def test_chain_drives_the_real_kv_cache_manager_through_overlapping_conversations_and_policy_switches() -> None:
+    """Random overlapping chats on a 48-block manager (4-token blocks) with the chain policy, pressure switching to
+    ``tier`` and back: block accounting holds at every step, prefixes hit, and every evictable block can be evicted
+    (the pool never comes up short while the policy reports blocks)."""
+    clock_s = [0.0]
+    kv = KVCacheManager(48, 4, clock=lambda: clock_s[0], config=KVConfig(), eviction_policy="chain")
+    rng = random.Random(7)
+    histories: list[list[int]] = [[1000 * c + t for t in range(rng.randint(3, 12))] for c in range(12)]
+    running: list[Sequence] = []
+    num_hit_tokens = 0
+    for step in range(400):
+        clock_s[0] += rng.choice((1.0, 5.0, 60.0, 700.0))
+        if step % 97 == 50:
+            kv.set_pressure("critical")  # switches to the tier policy, blocks handed over in chain order
+        elif step % 97 == 60:
+            kv.set_pressure("normal")  # and back
+        if running and (len(running) > 3 or rng.random() < 0.5):
+            seq = running.pop(rng.randrange(len(running)))
+            seq.num_computed_tokens = seq.num_tokens
+            kv.cache_blocks(seq)
+            kv.free(seq)
+        conversation = rng.randrange(len(histories))
+        history = histories[conversation]
+        history.extend(1000 * conversation + len(history) + t for t in range(rng.randint(1, 6)))
+        seq = Sequence(f"r{step}", list(history))
+        num_hit = kv.admit(seq, max_new_tokens=10**9)
+        if num_hit is not None:
+            num_hit_tokens += num_hit
+            seq.num_computed_tokens = seq.num_cached_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            running.append(seq)
+        assert kv.num_used_blocks + kv.num_free_blocks == kv.num_total_blocks
+        assert len(kv.pool.policy) == kv.num_cached_blocks
+    for seq in running:
+        kv.free(seq)
+    assert num_hit_tokens > 0 and kv.pool.num_evictions > 100
+    assert kv.num_used_blocks == 0
+    assert len(kv.pool.allocate(48)) == 48  # every cached block could be evicted
 
 
 def test_pressure_levels_return_their_settings_and_reject_unknown_levels() -> None:

@@ -8,13 +8,26 @@ policy's block hit rate next to Belady's MIN on the same trace and capacity. Out
 
 What one request does (the worker's semantics, with each request served instantly, one at a time)::
 
-    hashes  h1 h2 h3 h4 h5            (the trace's hash_ids, the block shared by every request dropped)
+    hashes  h1 h2 h3 h4 h5 [p]        (the trace's hash_ids: the block shared by every request dropped; p, the
+                                       prompt's partial last block, is not a reference, see below)
     cache   h1 h2 .. h4 ..            -> hits = 2: the *leading* run of cached blocks; reuse stops at the
                                          first miss (h3), so the cached h4 is recomputed and not a hit
-    then    new blocks for h3 h4 h5 are allocated (evicting the policy's victims); h3 and h5 enter the cache,
-            h4's new copy stays uncached (the hash is taken); every block is released tail first.
+    then    new blocks for h3 h4 h5 (and one for p) are allocated (evicting the policy's victims); h3 and h5
+            enter the cache, h4's new copy stays uncached (the hash is taken), p's block is never cached; every
+            block is released tail first.
 
-Hit rate = leading-run hit blocks ÷ block references. Capacity counts every block, in use or cached.
+Hit rate = leading-run hit blocks ÷ block references (full blocks). Capacity counts every block, in use or cached.
+
+Partial blocks. A Mooncake ``hash_ids`` list ends with the hash of the prompt's last, partial block whenever
+``input_length`` is not a multiple of the block size (12,009 of 12,031 requests). The worker hashes and caches
+*full* blocks only (:func:`~worker.kv_cache.prefix_cache.hash_token_blocks`), so a prefix lookup can never hit a
+partial block, and a later prompt that extends the text hashes that block's tokens differently anyway (on the
+trace, 88 of 11,891 partial hashes recur, only in byte-identical repeated prompts, and none ever recurs as a full
+block). So the simulator treats the partial block as the worker does: it occupies a pool block while the request
+runs, is never cached, and is not a block reference — for the policies and for Belady alike, so both see the same
+reference stream of full blocks. (The worker later caches that block once decode fills it with generated tokens;
+the trace has no hashes of generated tokens, so neither that block nor the output blocks are simulated, for any
+policy or for Belady.)
 
 Belady's MIN (Belady 1966) here is the textbook one: the flat stream of block references (request after
 request, block after block), a hit whenever the referenced block is resident, and on a miss the resident block
@@ -55,8 +68,11 @@ class TraceRequest:
 
     Attributes:
         arrival_s: arrival time, seconds from the trace start.
-        block_hashes: ``[num_blocks]`` chained block hashes of the prompt (the shared first block dropped).
-        last_block_partial: the prompt's last block holds fewer than ``block_size_tokens`` tokens.
+        block_hashes: ``[num_full_blocks]`` chained hashes of the prompt's *full* blocks (the shared first block
+            dropped): the block references a prefix cache can serve.
+        last_block_partial: the prompt also has a partial last block (fewer than ``block_size_tokens`` tokens),
+            which takes a pool block while the request runs but is never cached (its hash is not in
+            ``block_hashes``).
         tier: tier label; tier_priority: its priority (larger = more important).
     """
 
@@ -115,6 +131,10 @@ def load_trace(path: str | Path, block_size_tokens: int = 512, drop_shared_first
                max_requests: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake-format JSONL trace into requests sorted by arrival (stable for equal timestamps).
 
+    The hash of a prompt's partial last block (``input_length`` not a multiple of ``block_size_tokens``) is left
+    out of ``block_hashes`` and flagged in ``last_block_partial`` (see the module docstring). A request left with
+    no full block (a prompt within the shared first block and a partial one) is skipped.
+
     Args:
         path: the JSONL file.
         block_size_tokens: tokens per hashed block of the trace (512 for Mooncake).
@@ -144,14 +164,15 @@ def load_trace(path: str | Path, block_size_tokens: int = 512, drop_shared_first
     drop = drop_shared_first_block and len(firsts) == 1 and all(row["hash_ids"] for row in rows)
     requests = []
     for row in rows:
-        hashes = tuple(row["hash_ids"][1:] if drop else row["hash_ids"])
+        input_length = row.get("input_length", len(row["hash_ids"]) * block_size_tokens)
+        partial = input_length % block_size_tokens != 0
+        hash_ids = row["hash_ids"][:-1] if partial else row["hash_ids"]
+        hashes = tuple(hash_ids[1:] if drop else hash_ids)
         if not hashes:
             continue
-        input_length = row.get("input_length", len(row["hash_ids"]) * block_size_tokens)
         tier, priority = tier_of(hashes[0], tier_mix)
         requests.append(TraceRequest(arrival_s=row["timestamp"] / 1000.0, block_hashes=hashes,
-                                     last_block_partial=input_length % block_size_tokens != 0,
-                                     tier=tier, tier_priority=priority))
+                                     last_block_partial=partial, tier=tier, tier_priority=priority))
     return requests
 
 
@@ -189,11 +210,11 @@ class PrefixCacheSim:
             parent = block_hash
         self.pool.touch(hit_block_ids)
         num_hits = len(hit_block_ids)
-        new_block_ids = self.pool.allocate(len(hashes) - num_hits)
+        new_block_ids = self.pool.allocate(len(hashes) - num_hits + request.last_block_partial)
         if new_block_ids is None:  # the prompt alone exceeds the pool: served uncached
             self.pool.free(reversed(hit_block_ids))
             return num_hits
-        table = hit_block_ids + new_block_ids
+        table = hit_block_ids + new_block_ids  # [num_full_blocks (+ 1 partial, never cached)]
         expires_at_s = self.now_s + self.ttl_s_by_tier.get(request.tier, float("inf"))
         for block_idx in range(num_hits, len(hashes)):
             parent = hashes[block_idx - 1] if block_idx else None
@@ -210,8 +231,8 @@ class PrefixCacheSim:
             meta.expires_at_s = expires_at_s
             meta.last_access_s = self.now_s
             meta.is_chain_tail = block_idx == last_idx
-            meta.is_partial = request.last_block_partial and block_idx == last_idx
-            meta.num_request_blocks = len(hashes)
+            meta.is_partial = False  # the partial block is never cached here (see the module docstring)
+            meta.num_request_blocks = len(table)  # as the worker counts: ceil(prompt tokens / block size)
             meta.num_request_cached_blocks = num_hits
         self.pool.free(reversed(table))
         return num_hits

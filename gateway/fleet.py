@@ -77,6 +77,8 @@ DRAIN_DISPATCH_WAIT_S = 2.0
 # Longest pause before a new spawn after workers of a pool kept failing to start, seconds.
 MAX_SPAWN_BACKOFF_S = 60.0
 _COLD_START_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Share of ``autoscale.demand_window_s`` over which a burst's arrival rate is also measured (Knative's panic window).
+PANIC_WINDOW_FRACTION = 0.1
 _UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -487,6 +489,10 @@ class Fleet:
     def _demand_workers(self, runtime: PoolRuntime) -> float | None:
         """Workers the pool's offered load needs (see ``gateway.autoscaler`` rule 3); None without a known rate.
 
+        The load is the larger of the arrival rates over ``autoscale.demand_window_s`` and over a tenth of it: the
+        short window sees a burst begin, the long one holds workers through the short gaps inside a burst
+        (Knative's autoscaler: a panic window of 10% of the stable window, and no scale-down while it is high).
+
         The per-worker service rate is remembered, so a pool scaled to zero sizes its next burst with it.
         """
         autoscale = self.config.autoscale
@@ -498,7 +504,9 @@ class Fleet:
         rate = runtime.service_rate_per_worker_tokens_per_s
         if rate <= 0:
             return None
-        load = runtime.admission.arrival_rate_tokens_per_s(autoscale.demand_window_s)
+        window_s = autoscale.demand_window_s
+        load = max(runtime.admission.arrival_rate_tokens_per_s(window_s),
+                   runtime.admission.arrival_rate_tokens_per_s(window_s * PANIC_WINDOW_FRACTION))
         return load / (rate * autoscale.target_utilisation)
 
     @staticmethod

@@ -557,3 +557,24 @@ max_workers = 1
         assert status["pools"]["small"]["degraded_requests_in"] == {"free": 1}
         metrics = urllib.request.urlopen(gw.base_url + "/metrics").read().decode()
         assert 'sluice_degraded_requests_total{pool="small",tier="free"} 1.0' in metrics
+
+
+async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
+    now = [1000.0]
+    config = msgspec.convert({
+        "autoscale": {"demand_window_s": 10.0, "target_utilisation": 1.0},
+        "pools": [{"name": "sim", "backend": "sim", "min_workers": 0, "max_workers": 4}],
+    }, Config)
+    fleet = Fleet(config, Metrics(), spawn_local=False, clock=lambda: now[0])
+    runtime = fleet.runtimes["sim"]
+    assert fleet._demand_workers(runtime) is None  # no service rate known yet
+    runtime.service_rate_per_worker_tokens_per_s = 100.0  # as admission last measured it
+    for _ in range(2):  # two arrivals of 100 tokens of expected work each; no worker: both are rejected
+        with pytest.raises(SluiceError):
+            await runtime.admission.admit(runtime.admission.make_ticket("standard", list(range(36)), 64))
+    # the burst is seen over the 1 s window: 200 tokens/s ÷ 100 tokens/s per worker
+    assert fleet._demand_workers(runtime) == pytest.approx(2.0)
+    now[0] += 2.0  # past the short window: the 10 s window still holds the workers (20 tokens/s)
+    assert fleet._demand_workers(runtime) == pytest.approx(0.2)
+    now[0] += 9.0
+    assert fleet._demand_workers(runtime) == 0.0

@@ -50,7 +50,7 @@ from bench.replay_bench import AGING_RATE_PER_S, DEADLINE_FRACTION_OF_SLO, SLO_T
 
 # the autoscaler's windows in the bench, wall seconds: low use this long stops a worker; arrivals over this long
 # are the offered load (a sim worker's cold start here is about 0.3 s wall, so a short window costs little)
-SCALE_DOWN_AFTER_S = 3.0
+SCALE_DOWN_AFTER_S = 1.5
 DEMAND_WINDOW_S = 4.0
 START_TIMEOUT_S = 300.0
 MAX_WORKERS = 4

@@ -410,7 +410,7 @@ class AdmissionController:
             self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
         )
         ticket.enqueued_s = now_s
-        ticket.deadline_s = now_s + timeout_s
+        ticket.deadline_s = ticket.arrival_s + timeout_s  # the deadline holds from arrival (rate limiter included)
         ticket.state = TicketState.QUEUED
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         ticket._future = future
@@ -599,7 +599,7 @@ class AdmissionController:
             ticket._future.set_exception(error)
 
     def _shed_timed_out(self, ticket: Ticket) -> None:
-        waited_s = self._clock() - (ticket.enqueued_s or ticket.arrival_s)
+        waited_s = self._clock() - ticket.arrival_s
         self._shed(
             ticket,
             ErrorCode.QUEUE_TIMEOUT,

@@ -45,6 +45,31 @@ num_threads = 2
 """
 
 
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def redis_prefix(request):
+    """A fresh key prefix in the real Redis at 127.0.0.1:6379 (``make redis`` starts it); every key under it is
+    deleted afterwards. Skips the test when Redis is not running."""
+    import uuid
+
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError:
+        client.close()
+        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
+    prefix = f"test-{request.node.module.__name__.rsplit('.', 1)[-1]}-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    keys = list(client.scan_iter(match=prefix + "*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The gateway's :class:`Tokenizer` of the default model (SmolLM2-135M-Instruct)."""

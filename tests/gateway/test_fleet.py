@@ -25,7 +25,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 
 import aiohttp
@@ -167,21 +166,6 @@ class Worker:
                 self.process.kill()
                 self.process.wait()
         self._tmp.cleanup()
-
-
-@pytest.fixture(scope="module")
-def redis_prefix():
-    redis = pytest.importorskip("redis")
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.exceptions.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
-    prefix = f"test-fleet-{uuid.uuid4().hex[:8]}"
-    yield prefix
-    for key in client.scan_iter(match=prefix + "*"):
-        client.delete(key)
-    client.close()
 
 
 async def chat(session: aiohttp.ClientSession, base_url: str, content: str, max_tokens: int, *,

@@ -11,12 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from redis import asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.registry import RegistryEventKind, RegistryWatcher
 from shared.config import RegistryConfig
@@ -29,18 +27,9 @@ JOIN, LEAVE = RegistryEventKind.JOIN, RegistryEventKind.LEAVE
 
 
 @pytest.fixture
-async def prefix():
-    client = aioredis.Redis.from_url(REDIS_URL)
-    try:
-        await client.ping()
-    except RedisConnectionError:
-        await client.aclose()
-        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
-    prefix = f"test-watch-{uuid.uuid4().hex[:8]}"
-    yield prefix
-    async for key in client.scan_iter(match=prefix + ":*"):
-        await client.delete(key)
-    await client.aclose()
+def prefix(redis_prefix):
+    """A fresh Redis key prefix, cleaned up afterwards (``tests/conftest.py``)."""
+    return redis_prefix
 
 
 def hello(worker_id: str, model_id: str = "m") -> Hello:

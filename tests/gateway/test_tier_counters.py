@@ -23,14 +23,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 
 import aiohttp
 import pytest
 from structlog.testing import capture_logs
 from redis import asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.admission import AdmissionController
 from gateway.tier_counters import TTL_INTERVALS, TierCounters, TierCounts
@@ -46,19 +44,9 @@ INTERVAL_S = 0.2
 
 
 @pytest.fixture
-async def prefix():
-    client = aioredis.Redis.from_url(REDIS_URL)
-    try:
-        await client.ping()
-    except RedisConnectionError:
-        await client.aclose()
-        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
-    prefix = f"test-tiers-{uuid.uuid4().hex[:8]}"
-    yield prefix
-    keys = [key async for key in client.scan_iter(match=prefix + "*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
+def prefix(redis_prefix):
+    """A fresh Redis key prefix, cleaned up afterwards (``tests/conftest.py``)."""
+    return redis_prefix
 
 
 def counters(prefix: str, gateway_id: str, local: dict[str, TierCounts], url: str = REDIS_URL,

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -28,18 +27,9 @@ WORKER_START_TIMEOUT_S = 120.0
 
 
 @pytest.fixture
-async def prefix():
-    client = aioredis.Redis.from_url(REDIS_URL)
-    try:
-        await client.ping()
-    except RedisConnectionError:
-        await client.aclose()
-        pytest.skip("no Redis at 127.0.0.1:6379 (run `make redis`)")
-    prefix = f"test-reg-{uuid.uuid4().hex[:8]}"
-    yield prefix
-    async for key in client.scan_iter(match=prefix + ":*"):
-        await client.delete(key)
-    await client.aclose()
+def prefix(redis_prefix):
+    """A fresh Redis key prefix, cleaned up afterwards (``tests/conftest.py``)."""
+    return redis_prefix
 
 
 def hello(worker_id: str = "w1") -> Hello:

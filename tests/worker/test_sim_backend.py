@@ -8,15 +8,11 @@ from shared.config import Config, resolve_model_path
 from worker.backends import sim
 
 
-def test_tokenizer_facts_are_the_real_tokenizers_and_cached(tmp_path, monkeypatch):
-    from transformers import AutoTokenizer
-
+def test_tokenizer_facts_are_the_real_tokenizers_and_cached(tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = resolve_model_path(Config().model)
     vocab_size, special_ids, eos_ids = sim.tokenizer_facts(path)
-    folder, _, name = path.rpartition("/")
-    tokenizer = (AutoTokenizer.from_pretrained(folder or ".", gguf_file=name) if path.endswith(".gguf")
-                 else AutoTokenizer.from_pretrained(path))
+    tokenizer = tokenizer.hf  # the gateway's (transformers) tokenizer of the same default model, loaded once
     assert vocab_size == len(tokenizer)
     assert special_ids == sorted(set(tokenizer.all_special_ids))
     assert eos_ids == [tokenizer.eos_token_id]

@@ -43,10 +43,9 @@ from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from loadtest.replay import ReplayOptions, run_replay  # noqa: E402
 from loadtest.summary import format_table, summarize  # noqa: E402
 from loadtest.traces import assign_tiers, load_trace, parse_mix, shape_trace, trace_stats  # noqa: E402
-from shared.config import DEFAULT_TIERS, SimConfig, WorkerConfig  # noqa: E402
-from sluice.plan import WorkerModel, service_profile, workload_from_trace  # noqa: E402
 
-from bench.replay_bench import AGING_RATE_PER_S, DEADLINE_FRACTION_OF_SLO, SLO_TTFT_S, TIER_MIX  # noqa: E402
+from bench.replay_bench import SLO_TTFT_S, TIER_MIX, capacity_per_worker  # noqa: E402
+from bench.replay_bench import bench_config as replay_bench_config  # noqa: E402
 
 # the autoscaler's windows in the bench, wall seconds: low use this long stops a worker; arrivals over this long
 # are the offered load (a sim worker's cold start here is about 0.3 s wall, so a short window costs little)
@@ -58,32 +57,16 @@ MAX_WORKERS = 4
 
 def bench_config(time_scale: float, autoscale: bool, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
                  demand_window_s: float = DEMAND_WINDOW_S) -> str:
-    """Return the gateway config: the default tiers with the replay bench's deadlines (0.8 × the tier's SLO) and
-    aging, time-scaled; one sim pool (0..4 or fixed 4). The autoscaler's windows are wall seconds."""
-    lines = ['default_tier = "vip"', "", "[sim]", f"time_scale = {time_scale}", "",
-             "[admission]", f"aging_rate_per_s = {AGING_RATE_PER_S / time_scale}", "",
+    """Return the gateway config: the replay bench's (its tiers' deadlines at 0.8 × the tier's SLO and its aging,
+    time-scaled), plus one sim pool (0..4 or fixed 4). The autoscaler's windows are wall seconds."""
+    lines = [replay_bench_config(time_scale),
              "[autoscale]", f"enabled = {'true' if autoscale else 'false'}", "interval_s = 0.5",
-             "initial_cold_start_s = 10.0", f"demand_window_s = {demand_window_s}", ""]
-    for tier in DEFAULT_TIERS:
-        deadline_s = DEADLINE_FRACTION_OF_SLO * SLO_TTFT_S.get(tier.name, tier.queue_timeout_s)
-        lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
-                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {deadline_s * time_scale}",
-                  f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
-                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}", ""]
-    lines += ["[[pools]]", 'name = "sim"', 'backend = "sim"',
-              f"min_workers = {0 if autoscale else MAX_WORKERS}", f"max_workers = {MAX_WORKERS}",
-              "scale_up_after_s = 1.0", f"scale_down_after_s = {scale_down_after_s}",
-              f"target_queue_wait_s = {0.5 * time_scale}", ""]
+             "initial_cold_start_s = 10.0", f"demand_window_s = {demand_window_s}", "",
+             "[[pools]]", 'name = "sim"', 'backend = "sim"',
+             f"min_workers = {0 if autoscale else MAX_WORKERS}", f"max_workers = {MAX_WORKERS}",
+             "scale_up_after_s = 1.0", f"scale_down_after_s = {scale_down_after_s}",
+             f"target_queue_wait_s = {0.5 * time_scale}", ""]
     return "\n".join(lines)
-
-
-def capacity_per_worker(requests, time_scale: float) -> float:
-    """Return the planner's saturation rate of one sim worker for these requests, answers/s (wall clock)."""
-    from msgspec.structs import replace
-
-    model = WorkerModel.from_roofline(replace(SimConfig(), time_scale=time_scale), WorkerConfig())
-    workload = workload_from_trace(requests, 30.0, SimConfig().max_model_len_tokens)
-    return service_profile(model, workload.input_tokens, workload.output_tokens).saturation_rate_per_s
 
 
 def get_json(url: str, timeout_s: float = 5.0) -> dict | None:

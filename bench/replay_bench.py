@@ -61,9 +61,9 @@ def bench_config(time_scale: float) -> str:
     lines = ['default_tier = "vip"', "", "[sim]", f"time_scale = {time_scale}", "",
              "[admission]", f"aging_rate_per_s = {AGING_RATE_PER_S / time_scale}", ""]
     for tier in DEFAULT_TIERS:
-        deadline_s = DEADLINE_FRACTION_OF_SLO * SLO_TTFT_S.get(tier.name, tier.queue_timeout_s)
         lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
-                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {deadline_s * time_scale}",
+                  f"queue_capacity = {tier.queue_capacity}",
+                  f"queue_timeout_s = {QUEUE_TIMEOUT_S[tier.name] * time_scale}",
                   f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
                   f"reserved_kv_fraction = {tier.reserved_kv_fraction}", ""]
     return "\n".join(lines)

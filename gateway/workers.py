@@ -190,9 +190,8 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.draining = False  # the gateway takes no new request to it (a scale-down): see mark_draining()
-        self.num_pending_prefill = 0  # reservations whose prompt has not started on the worker (no first token)
-        self.pending_prefill_tokens = 0  # their uncached prompt tokens
-        # the same per tier priority: priority → [reservations, tokens]
+        # reservations whose prompt has not started on the worker (no first token), per tier priority:
+        # priority → [reservations, their uncached prompt tokens]
         self.pending_prefill_by_priority: dict[int, list[int]] = {}
 
     @property
@@ -237,6 +236,16 @@ class WorkerClient:
             return float("inf")
         return max(MIN_PREFILL_BUDGET_TOKENS, rate * prefill_queue_s)
 
+    @property
+    def num_pending_prefill(self) -> int:
+        """Reservations whose prompt has not started on the worker, all tiers."""
+        return sum(count for count, _ in self.pending_prefill_by_priority.values())
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Their uncached prompt tokens."""
+        return sum(tokens for _, tokens in self.pending_prefill_by_priority.values())
+
     def pending_prefill_ahead(self, priority: int) -> tuple[int, int]:
         """Return (reservations, tokens) of not-yet-started prompts of tier priority ≥ ``priority``."""
         num, tokens = 0, 0
@@ -269,8 +278,6 @@ class WorkerClient:
 
     def hold_prefill(self, reservation: "Reservation") -> None:
         """Count the reservation's prompt in the worker's prefill backlog until :meth:`prefill_started`."""
-        self.num_pending_prefill += 1
-        self.pending_prefill_tokens += reservation.prefill_tokens
         entry = self.pending_prefill_by_priority.setdefault(reservation.priority, [0, 0])
         entry[0] += 1
         entry[1] += reservation.prefill_tokens
@@ -281,8 +288,6 @@ class WorkerClient:
         if not reservation.prefill_pending:
             return
         reservation.prefill_pending = False
-        self.num_pending_prefill -= 1
-        self.pending_prefill_tokens -= reservation.prefill_tokens
         entry = self.pending_prefill_by_priority[reservation.priority]
         entry[0] -= 1
         entry[1] -= reservation.prefill_tokens

@@ -666,9 +666,10 @@ class AdmissionController:
         per_worker = self.backlog_rate_tokens_per_s()
         if per_worker is not None:
             return per_worker
-        serving = self._num_workers()
+        # an elastic pool's rate already counts its starting workers at the serving ones' mean rate
+        workers = self._num_workers(starting=True)
         rate = self._view.drain_rate_tokens_per_s()
-        return rate / serving if rate > 0 and serving > 0 else None
+        return rate / workers if rate > 0 and workers > 0 else None
 
     def _account_backlog(self, now_s: float, work_tokens: float = 0.0) -> None:
         """Add the serving worker-seconds since the last mark (when backlogged) and ``work_tokens`` dispatched."""

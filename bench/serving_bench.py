@@ -115,16 +115,14 @@ def run_sluice(prompts: list[str], levels: list[int]) -> dict:
 
 def run_transformers(prompts: list[str], batch_sizes: list[int]) -> list[dict]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from shared.config import default_model_path
+    from shared.model_files import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(2)
     path = default_model_path()
-    folder, _, name = path.rpartition("/")
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = load_causal_lm(path, torch.float32).eval()
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=False) for p in prompts]
     results = []

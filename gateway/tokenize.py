@@ -19,13 +19,11 @@ from shared.errors import ErrorCode, SluiceError
 
 
 def load_hf_tokenizer(model_path: str) -> Any:
-    """Load the ``transformers`` tokenizer of a GGUF file or a Hugging Face checkpoint folder."""
-    from transformers import AutoTokenizer
+    """Load the ``transformers`` tokenizer of a GGUF file (converted once, see :mod:`shared.model_files`) or a
+    Hugging Face checkpoint folder."""
+    from shared.model_files import load_tokenizer
 
-    if os.path.isfile(model_path):
-        return AutoTokenizer.from_pretrained(os.path.dirname(model_path) or ".",
-                                             gguf_file=os.path.basename(model_path))
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 def _generation_eos_ids(model_path: str) -> list[int]:

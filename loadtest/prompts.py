@@ -49,16 +49,13 @@ def load_tokenizer(model_path: str | None = None) -> Any | None:
         model_path: a GGUF file or HF folder; None = :func:`shared.config.default_model_path`.
     """
     try:
-        from transformers import AutoTokenizer
+        from shared.model_files import load_tokenizer as load_model_tokenizer
 
         if model_path is None:
             from shared.config import default_model_path
 
             model_path = default_model_path()
-        path = Path(model_path)
-        if path.is_file():
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        return AutoTokenizer.from_pretrained(str(path))
+        return load_model_tokenizer(str(model_path))
     except Exception:  # noqa: BLE001 — any failure means "count words instead"
         return None
 

@@ -14,7 +14,6 @@ in attention. Final norm and LM head run only on the rows whose logits are wante
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,20 +315,16 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
     """Load a transformers ``AutoModelForCausalLM`` from a GGUF file or a checkpoint folder, on the CPU.
 
     Args:
-        path: a ``.gguf`` file (transformers dequantizes it) or a Hugging Face folder (safetensors).
-        dtype: dtype of the loaded weights.
+        path: a ``.gguf`` file (transformers dequantizes it to fp32 once; later loads read the converted copy,
+            see :mod:`shared.model_files`) or a Hugging Face folder (safetensors).
+        dtype: dtype of the loaded weights of a folder (a GGUF file's are fp32).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
     """
-    from transformers import AutoModelForCausalLM
+    from shared.model_files import load_causal_lm
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist")
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        folder, name = os.path.split(os.path.abspath(path))
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return load_causal_lm(path, dtype)
 
 
 def load_model(

@@ -7,7 +7,6 @@ the same dequantized numbers.
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -48,10 +47,9 @@ def hf_model(gguf_path):
 
 @pytest.fixture(scope="module")
 def tokenizer(gguf_path):
-    from transformers import AutoTokenizer
+    from shared.model_files import load_tokenizer
 
-    folder, name = os.path.split(gguf_path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return load_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="module")

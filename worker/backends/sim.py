@@ -104,13 +104,9 @@ def tokenizer_facts(path: str) -> tuple[int, list[int], list[int]]:
             return int(facts["vocab_size"]), list(facts["special_ids"]), list(facts["eos_ids"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    from transformers import AutoTokenizer
+    from shared.model_files import load_tokenizer
 
-    if path.endswith(".gguf"):
-        folder, _, name = path.rpartition("/")
-        tokenizer = AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     vocab_size = len(tokenizer)
     special_ids = sorted(set(tokenizer.all_special_ids))
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

@@ -695,6 +695,7 @@ class WorkerPool:
                 "breaker": c.breaker.snapshot(),
                 "in_flight": c.num_in_flight,
                 "reservations": c.num_reserved,
+                "pending_prefill": c.num_pending_prefill,
                 "reserved_kv_blocks": c.reserved_blocks,
                 "connections": c.num_connections,
                 "hello": msgspec.structs.asdict(c.hello) if c.hello else None,

@@ -346,8 +346,15 @@ target_queue_wait_s = 0.5
         assert "sluice_worker_cold_start_seconds_count" in metrics
 
 
+# vip's queue deadline in the cold-start test: below the 60 s estimate used before any start is measured, above
+# a first start with an empty tokenizer cache on a loaded 2-core machine (16.6 s seen during a full suite run)
+COLD_START_VIP_DEADLINE_S = 40.0
+
+
 def test_from_zero_a_request_waits_through_the_cold_start_or_gets_503_when_it_cannot_make_its_deadline(tmp_path):
-    config = TIERS + f"""
+    tiers = TIERS.replace("queue_timeout_s = 15.0", f"queue_timeout_s = {COLD_START_VIP_DEADLINE_S}")
+    assert tiers != TIERS
+    config = tiers + f"""
 [sim]
 time_scale = {SIM_TIME_SCALE}
 
@@ -370,7 +377,7 @@ env = {{ XDG_CACHE_HOME = "{tmp_path}" }}  # a first start on this machine: the 
             async with aiohttp.ClientSession() as session:
                 standard = asyncio.create_task(chat(session, gw.base_url, "hello", 5, tier="standard"))
                 await asyncio.sleep(0.5)
-                # during the cold start, the estimate (60 s, nothing measured yet) exceeds vip's 15 s deadline
+                # during the cold start, the estimate (60 s, nothing measured yet) exceeds vip's 40 s deadline
                 vip = await chat(session, gw.base_url, "hello", 5, tier="vip")
                 return await standard, vip
 
@@ -386,7 +393,7 @@ env = {{ XDG_CACHE_HOME = "{tmp_path}" }}  # a first start on this machine: the 
         # idle: back to zero; now the measured cold start fits vip's deadline, so vip waits and succeeds
         wait_for(lambda: gw.pool("sim")["workers"]["ready"] == 0 and not gw.pool("sim")["local_workers"], 30.0,
                  "scale to zero")
-        assert cold_start_s < 15.0, "this machine starts a sim worker too slowly for the vip deadline"
+        assert cold_start_s < COLD_START_VIP_DEADLINE_S, "this machine starts a sim worker too slowly for vip"
 
         async def vip_from_zero():
             async with aiohttp.ClientSession() as session:

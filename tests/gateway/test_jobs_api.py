@@ -73,6 +73,12 @@ def _submit(server: Server, key: str | None, max_tokens: int = 4, **extra) -> di
     return job
 
 
+def _first_token_sent(server: Server) -> bool:
+    """One request on the worker, and its prompt has started (its first token came back)."""
+    worker = server.status()["workers"][0]
+    return worker["in_flight"] == 1 and worker["pending_prefill"] == 0
+
+
 def _worker_running(server: Server) -> int:
     capacity = server.status()["workers"][0]["capacity"]
     return capacity["num_running"] + capacity["num_waiting"] if capacity else 0
@@ -219,12 +225,15 @@ def test_deferral_returns_202_where_a_503_would_have_been(server):
 def test_job_survives_a_worker_killed_mid_job(server):
     key = f"key-{uuid.uuid4().hex}"
     _wait(lambda: _worker_running(server) == 0, 30, "worker busy before the test")
-    job = _submit(server, key, max_tokens=12)
+    job = _submit(server, key, max_tokens=16)
     server.wait_job(job["id"], key, {"running"}, timeout_s=30)
-    _wait(lambda: _worker_running(server) == 1, 10, "the job never reached the worker")
+    # kill it mid-decode: after its first token (a kill before that is retried inside the gateway, and the job's
+    # runner never sees it fail) and long before its last (16 tokens take about 5 s)
+    _wait(lambda: _first_token_sent(server), 10, "the job never started decoding on the worker")
     worker_pid = server.status()["local_workers"][0]["pid"]
+    assert server.get(f"/v1/jobs/{job['id']}", key)[1]["status"] == "running"
     os.kill(worker_pid, signal.SIGKILL)
     done = server.wait_job(job["id"], key, {"succeeded", "failed"}, timeout_s=90)
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
-    assert done["result"]["usage"]["completion_tokens"] == 12
+    assert done["result"]["usage"]["completion_tokens"] == 16
     assert server.status()["local_workers"][0]["pid"] != worker_pid

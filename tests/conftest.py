@@ -7,6 +7,7 @@ went back to zero (nothing leaked by any test), then stops the server with SIGTE
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,14 +127,23 @@ class SluiceServer:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
-@pytest.fixture(scope="session")
-def sluice_server(tmp_path_factory) -> SluiceServer:
-    """A real gateway + local CPU worker on a free loopback port, for the whole session."""
+@contextlib.contextmanager
+def sluice_serve(workdir: Path, config_text: str, start_timeout_s: float = SERVER_START_TIMEOUT_S,
+                 poll_interval_s: float = 0.5, min_ready_workers: int = 1) -> Iterator[SluiceServer]:
+    """Run ``python -m sluice.cli serve`` with ``config_text`` on a free loopback port until the block exits.
+
+    Ready means ``/readyz`` answered 200 with at least ``min_ready_workers`` ready workers.
+
+    The config file and the server log go to ``workdir``; ``SLUICE_*`` variables of the caller's environment are
+    dropped. At exit the server is stopped with SIGTERM (SIGKILL after 30 s) and no worker process may outlive it.
+
+    Yields:
+        The running server, ready (``/readyz`` answered 200).
+    """
     import tomllib
 
-    workdir = tmp_path_factory.mktemp("sluice_server")
     config_path = workdir / "config.toml"
-    config_path.write_text(TEST_CONFIG)
+    config_path.write_text(config_text)
     log_path = workdir / "serve.log"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
@@ -140,28 +151,22 @@ def sluice_server(tmp_path_factory) -> SluiceServer:
         process = subprocess.Popen(
             [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(port)],
             cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    server = SluiceServer(f"http://127.0.0.1:{port}", process, log_path, tomllib.loads(TEST_CONFIG))
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"sluice serve exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if get_json(server.base_url + "/readyz", timeout_s=2.0)[0] == 200:
-                break
-        except (OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"sluice serve not ready after {SERVER_START_TIMEOUT_S} s:\n{server.log_tail()}")
-        time.sleep(0.5)
+    server = SluiceServer(f"http://127.0.0.1:{port}", process, log_path, tomllib.loads(config_text))
     try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"sluice serve exited with {process.returncode}:\n{server.log_tail()}")
+            try:
+                status, body = get_json(server.base_url + "/readyz", timeout_s=2.0)
+                if status == 200 and body.get("ready_workers", 0) >= min_ready_workers:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"sluice serve not ready after {start_timeout_s} s:\n{server.log_tail()}")
+            time.sleep(poll_interval_s)
         yield server
-        # acceptance 6: after every test, no KV block is still held by a sequence
-        capacity = server.wait_for_capacity(
-            lambda c: c is not None and c["used_kv_blocks"] == 0 and c["num_running"] == 0
-            and c["num_waiting"] == 0, KV_RELEASE_TIMEOUT_S)
-        assert capacity["used_kv_blocks"] == 0, f"KV blocks leaked: {capacity}"
-        assert capacity["num_running"] == 0 and capacity["num_waiting"] == 0, capacity
     finally:
         worker_pids = _child_pids(process.pid)
         process.send_signal(signal.SIGTERM)
@@ -175,6 +180,19 @@ def sluice_server(tmp_path_factory) -> SluiceServer:
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)
         assert not survivors, f"worker processes outlived the gateway: {survivors}"
+
+
+@pytest.fixture(scope="session")
+def sluice_server(tmp_path_factory) -> Iterator[SluiceServer]:
+    """A real gateway + local CPU worker on a free loopback port, for the whole session."""
+    with sluice_serve(tmp_path_factory.mktemp("sluice_server"), TEST_CONFIG) as server:
+        yield server
+        # acceptance 6: after every test, no KV block is still held by a sequence
+        capacity = server.wait_for_capacity(
+            lambda c: c is not None and c["used_kv_blocks"] == 0 and c["num_running"] == 0
+            and c["num_waiting"] == 0, KV_RELEASE_TIMEOUT_S)
+        assert capacity["used_kv_blocks"] == 0, f"KV blocks leaked: {capacity}"
+        assert capacity["num_running"] == 0 and capacity["num_waiting"] == 0, capacity
 
 
 def _child_pids(pid: int) -> list[int]:

@@ -1,25 +1,16 @@
 """A real ``sluice serve`` with one local **sim** worker (the roofline simulator), for tests of the operational
 surface (status page, Grafana dashboard) that need live ``/status`` and ``/metrics`` but no model forward pass.
 
-Each test module starts its own (module-scoped fixture); the process handling and the shutdown check (no worker
-outlives the gateway) are those of ``tests/conftest.py``'s session server.
+Each test module starts its own (module-scoped fixture) with ``tests/conftest.py``'s :func:`sluice_serve`, as the
+session server is started: the same process handling and shutdown check (no worker outlives the gateway).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
-import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import REPO_ROOT, SluiceServer, _alive, _child_pids, _free_port, get_json
+from tests.conftest import SluiceServer, sluice_serve
 
 SIM_SERVER_START_TIMEOUT_S = 180.0
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -71,51 +62,7 @@ queue_timeout_s = 60.0
 """
 
 
-@contextlib.contextmanager
-def sim_gateway(workdir: Path, config_text: str = SIM_GATEWAY_CONFIG) -> Iterator[SluiceServer]:
-    """Run ``sluice serve`` with ``config_text`` on a free loopback port until the block exits.
-
-    Args:
-        workdir: where the config file and the server log go.
-        config_text: the TOML config (``SLUICE_*`` variables of the caller's environment are dropped).
-
-    Yields:
-        The running server, ready (``/readyz`` answered 200).
-    """
-    config_path = workdir / "config.toml"
-    config_path.write_text(config_text)
-    log_path = workdir / "serve.log"
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(port)],
-            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    server = SluiceServer(f"http://127.0.0.1:{port}", process, log_path, tomllib.loads(config_text))
-    try:
-        deadline = time.monotonic() + SIM_SERVER_START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"sluice serve exited with {process.returncode}:\n{server.log_tail()}")
-            try:
-                if get_json(server.base_url + "/readyz", timeout_s=2.0)[0] == 200:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"sluice serve not ready after {SIM_SERVER_START_TIMEOUT_S} s:\n{server.log_tail()}")
-            time.sleep(0.3)
-        yield server
-    finally:
-        worker_pids = _child_pids(process.pid)
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        time.sleep(0.5)
-        survivors = [pid for pid in worker_pids if _alive(pid)]
-        for pid in survivors:
-            os.kill(pid, signal.SIGKILL)
-        assert not survivors, f"worker processes outlived the gateway: {survivors}"
+def sim_gateway(workdir: Path, config_text: str = SIM_GATEWAY_CONFIG) -> contextlib.AbstractContextManager[SluiceServer]:
+    """Run ``sluice serve`` with ``config_text`` (default :data:`SIM_GATEWAY_CONFIG`) in ``workdir`` until the block
+    exits; see :func:`tests.conftest.sluice_serve`."""
+    return sluice_serve(workdir, config_text, SIM_SERVER_START_TIMEOUT_S, poll_interval_s=0.3)

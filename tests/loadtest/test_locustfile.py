@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loadtest.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 LOCUST = Path(sys.executable).parent / "locust"
 

@@ -11,7 +11,7 @@ import pytest
 from loadtest.prompts import PromptBuilder, load_tokenizer
 from loadtest.replay import ReplayError, build_texts, check_loopback, main, parse_status
 from loadtest.traces import TraceRequest
-from tests.loadtest.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

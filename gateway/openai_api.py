@@ -74,6 +74,7 @@ class _SamplingFields(_Schema, kw_only=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -84,7 +85,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -118,15 +125,36 @@ def _param_from_validation(message: str) -> str | None:
     return path or None
 
 
+def decode_json(body: bytes) -> Any:
+    """Decode a JSON request body into Python values.
+
+    Raises:
+        SluiceError: ``invalid_json``: not JSON, or nested deeper than the decoder's recursion limit (about 1000
+            levels: msgspec raises ``RecursionError``, which would otherwise surface as a 500).
+    """
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise SluiceError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _too_deep() from None
+
+
+def _too_deep() -> SluiceError:
+    return SluiceError(ErrorCode.INVALID_JSON, "the request body is nested too deeply to decode")
+
+
 def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
     """Decode a JSON request body straight into ``schema``.
 
     Raises:
-        SluiceError: ``invalid_json`` (not JSON), ``invalid_type``/``invalid_value`` (wrong shape; ``param``
-            names the field), ``missing_required_parameter``.
+        SluiceError: ``invalid_json`` (not JSON, or nested too deeply), ``invalid_type``/``invalid_value`` (wrong
+            shape; ``param`` names the field), ``missing_required_parameter``.
     """
     try:
         return msgspec.json.decode(body, type=schema)
+    except RecursionError:
+        raise _too_deep() from None
     except msgspec.ValidationError as exc:
         _raise_if_not_json(body)  # typed decoding stops at the first bad field, maybe before a syntax error
         text = str(exc)
@@ -146,10 +174,7 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
 
 
 def _raise_if_not_json(body: bytes) -> None:
-    try:
-        msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise SluiceError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from None
+    decode_json(body)
 
 
 def _invalid(message: str, param: str) -> SluiceError:
@@ -238,6 +263,8 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
         value = getattr(request, name)
         if value not in (None, 0, 0.0):
             raise _invalid(f"{name} is not supported by this server (only 0)", name)
+    if request.logit_bias:
+        raise _invalid("logit_bias is not supported by this server (only {} or null)", "logit_bias")
     if isinstance(request, ChatCompletionRequest):
         if request.logprobs:
             raise _invalid("logprobs are not supported by this server", "logprobs")
@@ -245,11 +272,23 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
             raise _invalid("top_logprobs are not supported by this server", "top_logprobs")
         if request.tools:
             raise _invalid("tools (function calling) are not supported by this server", "tools")
+        if request.tool_choice not in (None, "none"):
+            raise _invalid("tool_choice is not supported by this server (no tools; only \"none\")", "tool_choice")
+        if request.functions:
+            raise _invalid("functions (function calling) are not supported by this server", "functions")
+        if request.function_call not in (None, "none"):
+            raise _invalid("function_call is not supported by this server (only \"none\")", "function_call")
         if request.response_format is not None and request.response_format.type != "text":
             raise _invalid("only response_format {'type': 'text'} is supported", "response_format.type")
+        if request.modalities is not None and set(request.modalities) - {"text"}:
+            raise _invalid("only the text modality is supported by this server", "modalities")
+        if request.audio is not None:
+            raise _invalid("audio output is not supported by this server", "audio")
+        if request.reasoning_effort is not None:
+            raise _invalid("reasoning_effort is not supported by this model", "reasoning_effort")
     else:
-        if request.logprobs is not None and request.logprobs != 0:
-            raise _invalid("logprobs are not supported by this server", "logprobs")
+        if request.logprobs is not None:
+            raise _invalid("logprobs are not supported by this server (only null)", "logprobs")
         if request.echo:
             raise _invalid("echo is not supported by this server", "echo")
         if request.suffix:

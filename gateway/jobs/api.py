@@ -105,11 +105,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     Raises:
         SluiceError: 400 when it is not JSON or not an object.
     """
-    raw = await request.read()
-    try:
-        value = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise SluiceError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from None
+    value = openai_api.decode_json(await request.read())
     if not isinstance(value, dict):
         raise SluiceError(ErrorCode.INVALID_TYPE, "the request body must be a JSON object")
     return value
@@ -283,7 +279,7 @@ async def defer_shed_request(request: web.Request, kind: str, tier: TierConfig,
     if not (tier.defer_on_overload or asked):
         return None
     service = request.app[JOBS]
-    body = msgspec.json.decode(await request.read())
+    body = openai_api.decode_json(await request.read())
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     try:
         job = await submit_job(service, owner_of(request), kind, msgspec.json.encode(body), deferred=True)

@@ -116,6 +116,8 @@ def parse_input_lines(content: bytes, max_lines: int) -> list[tuple[int, _InputL
             raise _bad_file(number, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise _bad_file(number, f"not valid JSON ({exc})") from None
+        except RecursionError:
+            raise _bad_file(number, "the JSON is nested too deeply to decode") from None
         if not line.custom_id:
             raise _bad_file(number, "`custom_id` must be a non-empty string")
         if line.custom_id in seen:
@@ -228,10 +230,19 @@ async def get_file_content(request: web.Request) -> web.Response:
 
 
 async def list_files(request: web.Request) -> web.Response:
-    """``GET /v1/files``: the caller's files, newest first (``purpose``, ``limit``, ``after``)."""
+    """``GET /v1/files``: the caller's files, newest first (``order=desc``, the default) or oldest first
+    (``order=asc``); ``purpose``, ``limit``, ``after``.
+
+    Raises:
+        SluiceError: 400 naming ``order`` when it is neither ``asc`` nor ``desc``.
+    """
     limit, after = page_params(request)
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
     records, has_more = await request.app[JOBS].store.list_files(owner_of(request), limit, after,
-                                                                  request.query.get("purpose") or None)
+                                                                  request.query.get("purpose") or None,
+                                                                  oldest_first=order == "asc")
     return json_response(list_view([file_view(r) for r in records], has_more))
 
 

@@ -54,6 +54,52 @@ def test_bc23_bad_fields_are_400_naming_the_field(body, param):
         assert "messages" in error.message
 
 
+_HI = '"model": "m", "messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize("extra, param", [
+    ('"logit_bias": {"100": 100}', "logit_bias"),
+    ('"logit_bias": "x"', "logit_bias"),
+    ('"functions": [{"name": "f", "parameters": {}}]', "functions"),
+    ('"function_call": "auto"', "function_call"),
+    ('"tool_choice": "required"', "tool_choice"),
+    ('"tool_choice": {"type": "function", "function": {"name": "f"}}', "tool_choice"),
+    ('"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}', "modalities"),
+    ('"audio": {"voice": "alloy", "format": "wav"}', "audio"),
+    ('"reasoning_effort": "high"', "reasoning_effort"),
+])
+def test_fields_that_would_change_the_answer_are_400_not_ignored(extra, param):
+    error = _chat_error(("{" + _HI + ", " + extra + "}").encode())
+    assert error.status == 400 and error.param == param, error
+
+
+@pytest.mark.parametrize("extra", ['"logit_bias": {}', '"logit_bias": null', '"tool_choice": "none"',
+                                   '"function_call": "none"', '"modalities": ["text"]', '"tools": []'])
+def test_harmless_spellings_of_those_fields_are_accepted(extra):
+    request = decode_body(("{" + _HI + ", " + extra + "}").encode(), ChatCompletionRequest)
+    openai_api.check_unsupported(request)
+
+
+@pytest.mark.parametrize("extra, param", [('"logprobs": 0', "logprobs"), ('"logprobs": 2', "logprobs"),
+                                          ('"logit_bias": {"50256": -100}', "logit_bias")])
+def test_completions_fields_that_would_change_the_answer_are_400(extra, param):
+    with pytest.raises(SluiceError) as info:
+        request = decode_body(('{"model": "m", "prompt": "hi", ' + extra + "}").encode(), CompletionRequest)
+        openai_api.check_unsupported(request)
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("schema", [ChatCompletionRequest, CompletionRequest, None])
+def test_json_nested_past_the_decoders_limit_is_invalid_json_not_a_500(schema):
+    deep = b"[" * 5000 + b"]" * 5000
+    body = b'{"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "x": ' + deep + b"}"
+    with pytest.raises(SluiceError) as info:
+        openai_api.decode_json(body) if schema is None else decode_body(body, schema)
+    assert info.value.code is ErrorCode.INVALID_JSON and info.value.status == 400
+    assert "nested too deeply" in info.value.message
+    assert openai_api.decode_json(b'{"x": ' + b"[" * 100 + b"]" * 100 + b"}")  # ordinary nesting still decodes
+
+
 @pytest.mark.parametrize("value", [b"0", b"-5", b"1.5", b'"10"', b"-1"])
 def test_bc19_max_tokens_zero_negative_fractional_string_is_400(value):
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + value + b"}"
@@ -105,3 +151,15 @@ def test_stop_strings_limit_and_empty_strings():
     with pytest.raises(SluiceError) as info:
         openai_api.stop_strings(["a"] * 5, 4)
     assert info.value.param == "stop"
+
+
+def test_a_batch_input_line_nested_past_the_decoders_limit_names_the_line():
+    from gateway.jobs.batches import parse_input_lines
+
+    good = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}'
+    deep = b'{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"x": ' + \
+        b"[" * 5000 + b"]" * 5000 + b"}}"
+    with pytest.raises(SluiceError) as info:
+        parse_input_lines(good + b"\n" + deep + b"\n", max_lines=10)
+    assert info.value.status == 400 and info.value.param == "file"
+    assert "line 2" in info.value.message and "nested too deeply" in info.value.message

@@ -229,8 +229,10 @@ class RedisJobStore(JobStore):
         return int(await self.redis.incr(self._key("seq")))
 
     async def _page_of(self, index_key: str, limit: int, after: str | None,
-                       load: Callable[[str], Awaitable[Any]], keep: Callable[[Any], bool] = bool) -> tuple[list, bool]:
-        """Return one page of records from a sorted-set index (newest first, strictly before ``after``).
+                       load: Callable[[str], Awaitable[Any]], keep: Callable[[Any], bool] = bool,
+                       oldest_first: bool = False) -> tuple[list, bool]:
+        """Return one page of records from a sorted-set index (newest first, strictly before ``after``; or oldest
+        first, strictly after it).
 
         Args:
             index_key: the owner's index (id → creation sequence).
@@ -238,20 +240,25 @@ class RedisJobStore(JobStore):
             after: cursor id, or None.
             load: id → record, or None when the record expired (its id is then dropped from the index).
             keep: filter on loaded records.
+            oldest_first: ascending creation order.
 
         Returns:
             (up to ``limit`` records, whether more matching records follow).
         """
-        max_score = "+inf"
+        bound = "-inf" if oldest_first else "+inf"
         if after is not None:
             score = await self.redis.zscore(index_key, after)
             if score is None:
                 return [], False
-            max_score = f"({int(score)}"
+            bound = f"({int(score)}"
         records: list = []
         while len(records) <= limit:
-            entries = await self.redis.zrevrangebyscore(index_key, max_score, "-inf", start=0, num=limit + 1,
-                                                        withscores=True)
+            if oldest_first:
+                entries = await self.redis.zrangebyscore(index_key, bound, "+inf", start=0, num=limit + 1,
+                                                         withscores=True)
+            else:
+                entries = await self.redis.zrevrangebyscore(index_key, bound, "-inf", start=0, num=limit + 1,
+                                                            withscores=True)
             for record_id, _ in entries:
                 record = await load(record_id.decode())
                 if record is None:
@@ -260,7 +267,7 @@ class RedisJobStore(JobStore):
                     records.append(record)
             if len(entries) <= limit:
                 break  # the index is exhausted
-            max_score = f"({int(entries[-1][1])}"
+            bound = f"({int(entries[-1][1])}"
         return records[:limit], len(records) > limit
 
     # ----------------------------------------------------------------------------------------------- files
@@ -287,10 +294,10 @@ class RedisJobStore(JobStore):
         return await self.redis.hget(self._key("file", file_id), "content")
 
     async def list_files(self, owner: str, limit: int, after: str | None,
-                         purpose: str | None = None) -> tuple[list[FileRecord], bool]:
+                         purpose: str | None = None, oldest_first: bool = False) -> tuple[list[FileRecord], bool]:
         """See :meth:`JobStore.list_files`."""
         return await self._page_of(self._key("owner", owner, "files"), limit, after, self.get_file,
-                                   lambda record: purpose is None or record.purpose == purpose)
+                                   lambda record: purpose is None or record.purpose == purpose, oldest_first)
 
     async def delete_file(self, file_id: str) -> bool:
         """See :meth:`JobStore.delete_file`."""

@@ -205,7 +205,7 @@ class SqliteJobStore(JobStore):
         return None if row is None else bytes(row["content"])
 
     async def list_files(self, owner: str, limit: int, after: str | None,
-                         purpose: str | None = None) -> tuple[list[FileRecord], bool]:
+                         purpose: str | None = None, oldest_first: bool = False) -> tuple[list[FileRecord], bool]:
         """See :meth:`JobStore.list_files`."""
 
         def page(conn: sqlite3.Connection) -> list[sqlite3.Row]:
@@ -214,9 +214,11 @@ class SqliteJobStore(JobStore):
                 sql += " AND purpose = ?"
                 params.append(purpose)
             if after is not None:
-                sql += " AND seq < COALESCE((SELECT seq FROM files WHERE id = ? AND owner = ?), -1)"
+                # an unknown cursor matches nothing, in either order
+                sql += (" AND seq > COALESCE((SELECT seq FROM files WHERE id = ? AND owner = ?), 1e18)" if oldest_first
+                        else " AND seq < COALESCE((SELECT seq FROM files WHERE id = ? AND owner = ?), -1)")
                 params += [after, owner]
-            sql += " ORDER BY seq DESC LIMIT ?"
+            sql += " ORDER BY seq ASC LIMIT ?" if oldest_first else " ORDER BY seq DESC LIMIT ?"
             params.append(limit + 1)
             return conn.execute(sql, params).fetchall()
 

@@ -68,14 +68,15 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     async def list_files(self, owner: str, limit: int, after: str | None,
-                         purpose: str | None = None) -> tuple[list[FileRecord], bool]:
-        """Return one page of the owner's files, newest first, and whether more follow.
+                         purpose: str | None = None, oldest_first: bool = False) -> tuple[list[FileRecord], bool]:
+        """Return one page of the owner's files, newest first (or oldest first), and whether more follow.
 
         Args:
             owner: the owner.
             limit: most records to return, ≥ 1.
             after: the id of the last record of the previous page (cursor), or None for the first page.
             purpose: only files with this purpose, or None for all.
+            oldest_first: ascending creation order (OpenAI's ``order=asc``).
         """
 
     @abc.abstractmethod

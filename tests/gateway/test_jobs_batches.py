@@ -129,6 +129,18 @@ def test_files_and_batches_are_invisible_to_another_key(server):
     _wait_final(alice, batch.id, timeout_s=60)
 
 
+def test_files_list_in_either_order_through_the_sdk(server):
+    carol = _client(server, f"key-carol-{uuid.uuid4().hex[:8]}")
+    ids = [carol.files.create(file=(f"{i}.jsonl", io.BytesIO(batch_lines(1))), purpose="batch").id
+           for i in range(3)]
+    assert [f.id for f in carol.files.list(order="asc")] == ids  # the SDK pages through with `after`
+    assert [f.id for f in carol.files.list(order="desc", limit=2)] == ids[::-1]
+    assert [f.id for f in carol.files.list()] == ids[::-1]
+    with pytest.raises(openai.BadRequestError) as info:
+        carol.files.list(order="sideways")
+    assert info.value.body["param"] == "order"
+
+
 def _upload_error(server: Server, content: bytes, **kwargs) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as info:
         _client(server).files.create(file=("bad.jsonl", io.BytesIO(content)), purpose=kwargs.pop("purpose", "batch"),

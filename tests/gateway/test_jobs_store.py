@@ -203,6 +203,12 @@ async def test_files_round_trip_and_list(store):
     assert [r.id for r in (await store.list_files("alice", 10, None, purpose="batch_output"))[0]] == [output.id]
     batch_files, more = await store.list_files("alice", 2, None, purpose="batch")
     assert [r.id for r in batch_files] == [records[2].id, records[1].id] and more
+    # oldest first (order=asc), paged with the same cursor
+    page, more = await store.list_files("alice", 2, None, oldest_first=True)
+    assert [r.id for r in page] == [records[0].id, records[1].id] and more
+    page, more = await store.list_files("alice", 2, records[1].id, oldest_first=True)
+    assert [r.id for r in page] == [records[2].id, output.id] and not more
+    assert (await store.list_files("alice", 2, "file-unknown", oldest_first=True)) == ([], False)
     assert await store.delete_file(records[0].id)
     assert await store.get_file(records[0].id) is None
     assert (await store.list_files("bob", 10, None)) == ([], False)

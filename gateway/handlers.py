@@ -5,7 +5,8 @@ cap output length (tier, pressure, context) → admit (tiered queues; 429/503 wi
 admission reservation names the worker) → generate → stream back or collect. Validation and admission finish
 before any byte of the response is sent, so bad input or a shed request is a JSON error, never an SSE stream
 (BC06, BC25). A stream's headers are sent once its first event exists, so a worker that fails before the first
-token is a plain 502/504 too; later failures go in-band. Successful responses carry ``x-sluice-queue-ms``.
+token is a plain 502/504 too; later failures go in-band. Successful responses carry ``x-sluice-queue-ms`` and
+``x-sluice-tier`` (the tier that served them).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from shared.protocol import SamplingParams
 
 MAX_PROMPTS_PER_REQUEST = 64
 QUEUE_MS_HEADER = "x-sluice-queue-ms"
+TIER_HEADER = "x-sluice-tier"  # the tier that served the request (the request header of that name can only lower it)
 DEGRADED_HEADER = "x-sluice-degraded"  # "1" when the tier's degrade pool answered instead of the model's (issue 7)
 
 
@@ -205,7 +207,7 @@ async def _collect(request: web.Request, kind: str, generation: Generation, rout
 
 
 def _queue_header(generation: Generation, route: Route) -> dict[str, str]:
-    headers = {QUEUE_MS_HEADER: f"{generation.queue_wait_s * 1000:.1f}"}
+    headers = {QUEUE_MS_HEADER: f"{generation.queue_wait_s * 1000:.1f}", TIER_HEADER: generation.tier}
     if route.degraded:
         headers[DEGRADED_HEADER] = "1"
     return headers

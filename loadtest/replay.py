@@ -25,6 +25,7 @@ import ipaddress
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,7 @@ async def _send_one(session, opts: ReplayOptions, model: str, req: TraceRequest,
             result.status = response.status
             queue_ms = response.headers.get("x-sluice-queue-ms")
             result.queue_ms = float(queue_ms) if queue_ms is not None else None
+            result.served_tier = response.headers.get("x-sluice-tier")
             if response.status != 200:
                 result.outcome = "http_error"
                 result.retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
@@ -424,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: v for k, v in vars(args).items() if k != "api_key"}
     result = report(run, requests, options, slo)
     print(format_table(result["summary"]))
+    mislabelled = Counter((r.tier, r.served_tier) for r in run.results if r.served_in_another_tier)
+    for (tier, served), count in sorted(mislabelled.items()):
+        print(f"sluice replay: warning: {count} '{tier}' requests were served in tier '{served}': the gateway "
+              f"gives a key its own tier at most (the x-sluice-tier header only lowers it); pass --api-key "
+              f"{tier}=KEY with a key of that tier", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

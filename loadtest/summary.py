@@ -46,6 +46,7 @@ class RequestResult:
         ttft_s, tpot_s, e2e_s: latencies in seconds (None when not measured).
         prompt_tokens, completion_tokens: from the usage chunk, or None.
         queue_ms: the ``x-sluice-queue-ms`` response header, or None.
+        served_tier: the ``x-sluice-tier`` response header (the tier the gateway served it in), or None.
     """
 
     index: int
@@ -64,9 +65,15 @@ class RequestResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     queue_ms: float | None = None
+    served_tier: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def served_in_another_tier(self) -> bool:
+        """The gateway served it in another tier than the replay gave it (its key could not reach that tier)."""
+        return self.served_tier is not None and self.served_tier != self.tier
 
     @property
     def is_rejection(self) -> bool:

@@ -72,7 +72,8 @@ def resolve_trace_path(name_or_path: str) -> Path:
     else:
         path = Path(name_or_path)
     if not path.is_file():
-        raise TraceError(f"trace {name_or_path!r}: no such file {path} (names: {', '.join(TRACE_FILES)})")
+        where = " (set SLUICE_DATA_DIR to the folder holding the traces)" if name_or_path in TRACE_FILES else ""
+        raise TraceError(f"trace {name_or_path!r}: no such file {path}{where} (names: {', '.join(TRACE_FILES)})")
     return path
 
 

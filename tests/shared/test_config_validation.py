@@ -1,0 +1,236 @@
+"""Config validation at load: a missing explicit file, errors blamed on the ``SLUICE_*`` variable that caused them,
+and numeric values out of range rejected with a message that names the key."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.config import Config, ConfigError, load_config, with_overrides
+from tests.conftest import REPO_ROOT
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ the config file
+
+
+def test_a_missing_explicit_file_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value) == f"config file {path} does not exist"
+
+
+def test_a_missing_file_named_by_sluice_config_is_an_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "[gateway]\nmax_n = 3\n")  # the implicit default exists, but SLUICE_CONFIG wins
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={"SLUICE_CONFIG": "/nonexistent/sluice.toml"})
+    assert str(info.value) == "config file /nonexistent/sluice.toml does not exist"
+
+
+def test_a_missing_implicit_default_file_means_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(environ={}) == Config()
+    assert load_config(environ={"SLUICE_CONFIG": ""}) == Config()  # empty = unset
+
+
+def test_the_implicit_default_file_is_read_when_present(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "[gateway]\nmax_n = 3\n")
+    assert load_config(environ={}).gateway.max_n == 3
+
+
+def test_a_directory_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: "):
+        load_config(tmp_path, environ={})
+
+
+# --------------------------------------------------------------------------------------- SLUICE_* overrides
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("SLUICE_GATEWAY__PORT", "abc", "SLUICE_GATEWAY__PORT=abc: Expected `int`, got `str` - at `$.gateway.port`"),
+    ("SLUICE_GATEWAY__PROT", "1", "SLUICE_GATEWAY__PROT=1: Object contains unknown field `prot` - at `$.gateway`"),
+    ("SLUICE_GATEWAY__MAX_N", "0", "SLUICE_GATEWAY__MAX_N=0: Expected `int` >= 1 - at `$.gateway.max_n`"),
+    ("SLUICE_NOPE__PORT", "1", "SLUICE_NOPE__PORT=1: Object contains unknown field `nope`"),
+    ("SLUICE_TIERS__NAME", "x", "SLUICE_TIERS__NAME=x: tiers is not a table, so it has no key name"),
+])
+def test_an_override_error_names_the_variable(tmp_path, name, text, message):
+    path = write(tmp_path, '[gateway]\nport = 8001\n[[tiers]]\nname = "standard"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={"SLUICE_WORKER__KV_CACHE_GIB": "1.5", name: text})
+    assert str(info.value) == message
+
+
+def test_an_error_in_the_file_is_blamed_on_the_file_even_with_overrides(tmp_path):
+    path = write(tmp_path, "[worker]\nkv_cache_gib = -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={"SLUICE_GATEWAY__PORT": "8001"})
+    assert str(info.value) == f"{path}: Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"
+
+
+def test_an_override_may_replace_a_bad_value_of_the_file(tmp_path):
+    path = write(tmp_path, '[gateway]\nport = "abc"\n')
+    config = load_config(path, environ={"SLUICE_GATEWAY__PORT": "8001", "SLUICE_WORKER__BACKEND": "sim"})
+    assert (config.gateway.port, config.worker.backend) == (8001, "sim")
+
+
+# ------------------------------------------------------------------------------------------------ value ranges
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[worker]\nkv_cache_gib = -1", "Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"),
+    ("[worker]\nblock_size_tokens = 0", "Expected `int` >= 1 - at `$.worker.block_size_tokens`"),
+    ("[worker]\nnum_local_workers = -1", "Expected `int` >= 0 - at `$.worker.num_local_workers`"),
+    ("[gateway]\nmax_n = 0", "Expected `int` >= 1 - at `$.gateway.max_n`"),
+    ("[gateway]\nstall_timeout_s = -5.0", "Expected `float` > 0.0 - at `$.gateway.stall_timeout_s`"),
+    ("[gateway]\nfirst_token_timeout_s = 0", "Expected `float` > 0.0 - at `$.gateway.first_token_timeout_s`"),
+    ("[gateway]\nport = 70000", "Expected `int` <= 65535 - at `$.gateway.port`"),
+    ("[kv]\nredis_timeout_s = -0.5", "Expected `float` > 0.0 - at `$.kv.redis_timeout_s`"),
+    ("[kv]\nmax_cache_ttl_s_by_tier = { free = -1.0 }",
+     "Expected `float` >= 0.0 - at `$.kv.max_cache_ttl_s_by_tier[...]`"),
+    ("[kv.retention.elevated]\nttl_scale = 1.5", "Expected `float` <= 1.0 - at `$.kv.retention.elevated.ttl_scale`"),
+    ("[sim]\nhbm_efficiency = 0", "Expected `float` > 0.0 - at `$.sim.hbm_efficiency`"),
+    ('[[tiers]]\nname = "a"\nqueue_capacity = 0', "Expected `int` >= 1 - at `$.tiers[0].queue_capacity`"),
+    ('[[tiers]]\nname = "a"\nreserved_kv_fraction = 1.5',
+     "Expected `float` <= 1.0 - at `$.tiers[0].reserved_kv_fraction`"),
+    ('[[api_keys]]\nkey = "k"\ntenant = "t"\ntier = "vip"\nrpm_limit = -1',
+     "Expected `int` >= 0 - at `$.api_keys[0].rpm_limit`"),
+    ("[pressure.critical]\nenter_queue_wait_s = 8.0\nleave_queue_wait_s = 4.0\nenter_kv_used_fraction = 0.9\n"
+     "leave_kv_used_fraction = 0.8\nmax_tokens_by_tier = { vip = 0 }",
+     "Expected `int` >= 1 - at `$.pressure.critical.max_tokens_by_tier[...]`"),
+    ("[breaker]\nfailure_threshold = 0", "Expected `int` >= 1 - at `$.breaker.failure_threshold`"),
+    ("[autoscale]\ntarget_utilisation = 1.5", "Expected `float` <= 1.0 - at `$.autoscale.target_utilisation`"),
+    ('[[pools]]\nname = "p"\nmin_workers = -1', "Expected `int` >= 0 - at `$.pools[0].min_workers`"),
+    ("[registry]\nheartbeat_interval_s = 0", "Expected `float` > 0.0 - at `$.registry.heartbeat_interval_s`"),
+    ("[jobs]\nmax_attempts = 0", "Expected `int` >= 1 - at `$.jobs.max_attempts`"),
+    ("[jobs]\nlease_timeout_s = nan", "Expected `float` > 0.0 - at `$.jobs.lease_timeout_s`"),
+])
+def test_a_value_out_of_range_is_an_error_naming_the_key(tmp_path, text, message):
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value) == f"{path}: {message}"
+
+
+def test_cli_overrides_are_range_checked_too():
+    with pytest.raises(ConfigError) as info:
+        with_overrides(Config(), worker={"num_local_workers": -1})
+    assert str(info.value) == "Expected `int` >= 0 - at `$.worker.num_local_workers`"
+
+
+def test_boundary_values_with_a_meaning_still_load(tmp_path):
+    path = write(tmp_path, """
+[gateway]
+port = 65535
+max_stop_sequences = 0          # no stop strings allowed
+worker_restart_backoff_s = 0.0
+drain_timeout_s = 0.0           # stop at once on SIGTERM
+
+[worker]
+num_local_workers = 0           # remote workers only
+num_threads = 0                 # torch's default
+
+[kv]
+default_cache_ttl_s = 0.0       # no expiry
+max_cache_ttl_s = 0.0
+host_cache_gib = 0.0            # tier off
+disk_cache_gib = 0.0
+redis_cache_gib = 0.0
+swap_space_gib = 0.0            # always recompute
+redis_retry_s = 0.0
+
+[kv.retention.critical]
+ttl_scale = 0.0
+max_ttl_s = inf
+min_retained_tier_priority = -5
+
+[sim]
+hbm_efficiency = 1.0
+step_overhead_ms = 0.0
+
+[[tiers]]
+name = "only"
+priority = -3
+reserved_kv_fraction = 0.0
+rpm_limit = 0                   # unlimited
+tpm_limit = 0
+
+[[api_keys]]
+key = "k"
+tenant = "t"
+tier = "only"
+rpm_limit = 0
+
+[admission]
+aging_rate_per_s = 0.0
+worker_prefill_queue_s = 0.0    # no limit
+
+[pressure]
+min_dwell_s = 0.0
+
+[pressure.elevated]
+enter_queue_wait_s = 0.0
+leave_queue_wait_s = 0.0
+enter_kv_used_fraction = 2.0    # never on KV usage
+leave_kv_used_fraction = 2.0
+
+[breaker]
+cooldown_s = 0.0
+
+[[pools]]
+name = "remote"
+min_workers = 0
+max_workers = 0                 # remote workers only
+cost_per_worker_s = 0.0
+scale_up_after_s = 0.0
+scale_down_after_s = 0.0
+
+[autoscale]
+scale_down_utilisation = 1.0
+target_utilisation = 1.0
+initial_cold_start_s = 0.0
+demand_window_s = 0.0           # no load-proportional scaling
+
+[jobs]
+idle_grace_s = 0.0
+""")
+    config = load_config(path, environ={})
+    assert (config.gateway.port, config.gateway.max_stop_sequences, config.gateway.drain_timeout_s) == (65535, 0, 0.0)
+    assert (config.worker.num_local_workers, config.kv.host_cache_gib, config.kv.swap_space_gib) == (0, 0.0, 0.0)
+    assert math.isinf(config.kv.retention.critical.max_ttl_s) and config.kv.retention.critical.ttl_scale == 0.0
+    assert (config.tiers[0].priority, config.api_keys[0].rpm_limit) == (-3, 0)
+    assert config.pressure.elevated.enter_kv_used_fraction == 2.0
+    assert (config.pools[0].max_workers, config.autoscale.target_utilisation) == (0, 1.0)
+
+
+def test_the_defaults_and_the_shipped_config_are_valid():
+    assert msgspec.convert(msgspec.to_builtins(Config()), Config) == Config()
+    shipped = load_config(REPO_ROOT / "config.toml", environ={})
+    assert (shipped.gateway.max_n, shipped.worker.kv_cache_gib) == (8, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------ sluice serve
+
+
+def test_serve_with_an_out_of_range_value_exits_2_before_starting_anything(tmp_path):
+    path = write(tmp_path, "[gateway]\nmax_n = 0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    # port 1 cannot be bound: should the check ever be missed, the gateway fails fast instead of serving
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--config", str(path), "--port", "1"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"sluice serve: {path}: Expected `int` >= 1 - at `$.gateway.max_n`\n"
+    assert "gateway_listening" not in result.stdout

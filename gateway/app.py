@@ -239,4 +239,19 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     app.router.add_get("/metrics", handlers.metrics)
     dashboard.add_routes(app.router)  # GET / and /dashboard: the status page
     setup_jobs(app)  # /v1/jobs, /v1/files, /v1/batches and the jobs resource (store + runner), last: stops first
+    if config.gateway.cors_allow_origins:
+        _setup_cors(app, config.gateway.cors_allow_origins)
     return app
+
+
+def _setup_cors(app: web.Application, origins: tuple[str, ...]) -> None:
+    """Answer CORS preflights and add CORS headers on every route for ``origins`` (``aiohttp_cors``): any method
+    and request header, every response header exposed (``Retry-After``, ``x-sluice-*``), no credentials."""
+    import aiohttp_cors
+
+    options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",
+                                           allow_methods="*")
+    cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
+    for route in list(app.router.routes()):
+        if route.method != "HEAD":  # aiohttp adds HEAD beside GET; the GET route's preflight covers the resource
+            cors.add(route)

@@ -73,6 +73,10 @@ class GatewayConfig(_Section):
         reuse_port: listen with ``SO_REUSEPORT``, so several gateway processes on one machine share ``port`` and
             the kernel spreads new connections over them (each answers with its own ``x-sluice-gateway``; they
             share rate limits and tier counters through ``[ratelimit]``'s Redis).
+        cors_allow_origins: origins whose browser pages may call the gateway (CORS, with preflight): ``["*"]`` for
+            any origin (vLLM's default), exact origins such as ``"https://chat.example.com"``, or empty (the
+            default) for no CORS headers. Credentials (cookies) are never allowed; API keys travel in the
+            ``Authorization`` header.
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +93,7 @@ class GatewayConfig(_Section):
     worker_start_timeout_s: PositiveFloat = 300.0
     drain_timeout_s: NonNegativeFloat = 30.0
     reuse_port: bool = False
+    cors_allow_origins: tuple[str, ...] = ()
 
 
 class WorkerConfig(_Section):

@@ -159,3 +159,38 @@ async def test_malformed_bodies_never_5xx_in_process(client, body, path):
     error = _envelope(raw)
     # the only allowed 5xx without a worker: a valid request that would need one
     assert status < 500 or (status == 503 and error["code"] == "no_worker_available"), (status, raw)
+
+
+async def test_cors_is_off_by_default(client):
+    response = await client.options(CHAT, headers={"Origin": "https://chat.example.com",
+                                                   "Access-Control-Request-Method": "POST"})
+    assert response.status == 405 and "Access-Control-Allow-Origin" not in response.headers
+    response = await client.get("/healthz", headers={"Origin": "https://chat.example.com"})
+    assert "Access-Control-Allow-Origin" not in response.headers
+
+
+@pytest.mark.parametrize("origins, allowed", [(["*"], True), (["https://chat.example.com"], True),
+                                              (["https://other.example.com"], False)])
+async def test_cors_preflight_and_headers_for_the_configured_origins(tokenizer, origins, allowed):
+    config = with_overrides(Config(), gateway={"cors_allow_origins": origins})
+    app = build_app(GatewayOptions(config=config, spawn_local_workers=False), tokenizer=tokenizer)
+    origin = "https://chat.example.com"
+    async with TestClient(TestServer(app)) as cors_client:
+        preflight = await cors_client.options(CHAT, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        answer = await cors_client.post(CHAT, data=b"{}", headers={"Origin": origin,
+                                                                   "Content-Type": "application/json"})
+    if allowed:
+        assert preflight.status == 200
+        assert preflight.headers["Access-Control-Allow-Origin"] == origin
+        assert preflight.headers["Access-Control-Allow-Methods"] == "POST"
+        assert set(preflight.headers["Access-Control-Allow-Headers"].lower().split(",")) == {
+            "authorization", "content-type"}
+        assert "Access-Control-Allow-Credentials" not in preflight.headers
+        # the answer (here a 400 for the empty body) carries the headers too, so the page can read the error
+        assert answer.status == 400 and answer.headers["Access-Control-Allow-Origin"] == origin
+        assert "x-request-id" in answer.headers["Access-Control-Expose-Headers"].lower()
+    else:
+        assert preflight.status == 403 and "Access-Control-Allow-Origin" not in preflight.headers
+        assert "Access-Control-Allow-Origin" not in answer.headers

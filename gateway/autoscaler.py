@@ -16,7 +16,8 @@ through the registry serve the pool but are never started, stopped or counted ag
    ``autoscale.demand_window_s`` (or over a tenth of it, when higher: a burst beginning), admitted or not — needs more workers than are ready or starting, at each
    worker's measured service rate and ``autoscale.target_utilisation``: ``ceil(load ÷ (rate × target))``. Start
    the difference at once, without waiting for a queue to build (the load-proportional rule of Knative's
-   autoscaler: desired pods = observed load ÷ target load per pod). The rate is the one admission measured while
+   autoscaler: desired pods = observed load ÷ target load per pod) — also while the pool's first workers are still
+   starting, so a burst that grows during a cold start from zero does not wait for it to end before more start. The rate is the one admission measured while
    its queue was backlogged (or the workers' reported rates), remembered across a scale to zero.
 4. Scale up, when the up condition has held for ``scale_up_after_s``:
 
@@ -239,7 +240,8 @@ class Autoscaler:
             return self._up(pool, ScaleReason.QUEUED_WITHOUT_WORKER, now_s, max(1, count),
                             f"{obs.num_queued} requests queued, no worker ready or starting; offered load needs "
                             f"{obs.demand_workers if obs.demand_workers is None else round(obs.demand_workers, 2)}")
-        if needed is not None and num_ready > 0 and needed > num_ready + num_starting and num_local < max_workers:
+        if (needed is not None and num_ready + num_starting > 0 and needed > num_ready + num_starting
+                and num_local < max_workers):
             add = min(needed, max_workers) - (num_ready + num_starting)
             add = min(add, max_workers - num_local)
             if add > 0:

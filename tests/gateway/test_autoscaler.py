@@ -323,6 +323,9 @@ def test_offered_load_starts_the_workers_it_needs_at_once_capped_by_max():
     assert decision.num_workers == 2
     # exactly enough ready and starting: nothing
     assert scaler.tick([demand_obs(workers(READY, READY, STARTING), 3.0)]) == []
+    # from zero, the load grows while the first worker is still starting: the rest start now, not after it
+    [decision] = scaler.tick([demand_obs(workers(STARTING), 3.2, queued=40)])
+    assert (decision.reason, decision.num_workers) == (ScaleReason.DEMAND_ABOVE_CAPACITY, 3)
 
 
 def test_offered_load_holds_workers_that_low_utilisation_would_stop():

@@ -710,6 +710,9 @@ def validate_admission_config(config: Config) -> None:
         )
 
 
+_SECRET_KEY_WORDS = ("url", "password", "secret", "token", "key")
+
+
 class _EnvOverride(msgspec.Struct, frozen=True):
     """One ``SLUICE_<SECTION>__<KEY>=text`` variable and the key and value it sets."""
 
@@ -720,6 +723,10 @@ class _EnvOverride(msgspec.Struct, frozen=True):
     value: Any
 
     def label(self) -> str:
+        """``VARIABLE=value`` for error messages; the value is left out of keys that may hold a secret (a Redis
+        URL with its password, a key or token)."""
+        if any(word in self.key for word in _SECRET_KEY_WORDS):
+            return f"{self.variable}=<redacted>"
         return f"{self.variable}={self.text}"
 
 

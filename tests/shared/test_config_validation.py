@@ -234,3 +234,12 @@ def test_serve_with_an_out_of_range_value_exits_2_before_starting_anything(tmp_p
     assert result.returncode == 2
     assert result.stderr == f"sluice serve: {path}: Expected `int` >= 1 - at `$.gateway.max_n`\n"
     assert "gateway_listening" not in result.stdout
+
+
+def test_an_override_that_may_hold_a_secret_is_named_without_its_value(tmp_path):
+    empty = tmp_path / "config.toml"
+    empty.write_text("")
+    with pytest.raises(ConfigError) as info:
+        load_config(empty, environ={"SLUICE_REGISTRY__REDIS_URL": "42"})  # a number where a URL string goes
+    assert str(info.value) == ("SLUICE_REGISTRY__REDIS_URL=<redacted>: Expected `str`, got `int` - at "
+                               "`$.registry.redis_url`")

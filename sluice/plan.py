@@ -61,13 +61,13 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shared.argtypes import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, number
 from shared.config import Config, ConfigError, SimConfig, WorkerConfig, effective_tiers, load_config
 from worker.backends.sim import GIB, step_time_s
 
@@ -765,28 +765,6 @@ def tier_priorities(config: Config) -> dict[str, int]:
     return {tier.name: tier.priority for tier in effective_tiers(config)}
 
 
-def _number(kind: type[int] | type[float], rule: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
-    """Return an argparse type: a finite ``kind`` for which ``ok`` holds; errors quote ``rule`` (e.g. "> 0")."""
-
-    def parse(text: str) -> float:
-        noun = "an integer" if kind is int else "a number"
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun} {rule}, got {text!r}") from None
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"must be {noun} {rule}, got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE_FLOAT = _number(float, "> 0", lambda v: v > 0)
-_NON_NEGATIVE_FLOAT = _number(float, "≥ 0", lambda v: v >= 0)
-_NON_NEGATIVE_INT = _number(int, "≥ 0", lambda v: v >= 0)
-_POSITIVE_INT = _number(int, "≥ 1", lambda v: v >= 1)
-
-
 def _tier_mix(text: str) -> dict[str, float]:
     """argparse type: ``vip=0.2,standard=0.6,free=0.2`` -> weights normalised to sum to 1."""
     from loadtest.traces import TraceError, parse_mix
@@ -835,36 +813,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice plan", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--config", default=None, help="config.toml for [sim], [worker] and tiers (must exist if "
                         "given; default: $SLUICE_CONFIG or ./config.toml, built-in defaults without one)")
-    parser.add_argument("--time-scale", type=_POSITIVE_FLOAT, default=None, help="override sim.time_scale (> 0)")
+    parser.add_argument("--time-scale", type=POSITIVE_FLOAT, default=None, help="override sim.time_scale (> 0)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", default=None, help="azure-code | azure-conv | mooncake-conv | path")
-    source.add_argument("--rate-per-s", type=_POSITIVE_FLOAT, default=None,
+    source.add_argument("--rate-per-s", type=POSITIVE_FLOAT, default=None,
                         help="stationary arrival rate instead of a trace, requests/s (> 0)")
     trace = parser.add_argument_group("with --trace")
-    trace.add_argument("--rate-scale", type=_POSITIVE_FLOAT, default=None,
+    trace.add_argument("--rate-scale", type=POSITIVE_FLOAT, default=None,
                        help="divide inter-arrival times by this (> 0; default 1)")
-    trace.add_argument("--max-requests", type=_number(int, "≥ 2", lambda v: v >= 2), default=None,
+    trace.add_argument("--max-requests", type=number(int, "≥ 2", lambda v: v >= 2), default=None,
                        help="keep the first N requests (≥ 2; default all)")
-    trace.add_argument("--duration-s", type=_POSITIVE_FLOAT, default=None,
+    trace.add_argument("--duration-s", type=POSITIVE_FLOAT, default=None,
                        help="keep requests arriving within this many seconds after scaling (> 0; default all)")
-    trace.add_argument("--start-s", type=_NON_NEGATIVE_FLOAT, default=None,
+    trace.add_argument("--start-s", type=NON_NEGATIVE_FLOAT, default=None,
                        help="skip the trace's first seconds, before scaling (≥ 0; default 0)")
-    trace.add_argument("--window-s", type=_POSITIVE_FLOAT, default=None,
+    trace.add_argument("--window-s", type=POSITIVE_FLOAT, default=None,
                        help="stationary window of the trace, seconds (> 0; default 30)")
     trace.add_argument("--seed", type=int, default=None, help="seed of the tier assignment (default 0)")
     rate = parser.add_argument_group("with --rate-per-s")
-    rate.add_argument("--input-tokens", type=_NON_NEGATIVE_INT, default=None,
+    rate.add_argument("--input-tokens", type=NON_NEGATIVE_INT, default=None,
                       help="prompt length, tokens (≥ 0; default 1024)")
-    rate.add_argument("--output-tokens", type=_POSITIVE_INT, default=None,
+    rate.add_argument("--output-tokens", type=POSITIVE_INT, default=None,
                       help="answer length, tokens (≥ 1; default 256)")
-    rate.add_argument("--arrival-cv2", type=_NON_NEGATIVE_FLOAT, default=None,
+    rate.add_argument("--arrival-cv2", type=NON_NEGATIVE_FLOAT, default=None,
                       help="Ca², squared coefficient of variation of inter-arrival times (≥ 0; default 1 = Poisson)")
     parser.add_argument("--tier-mix", type=_tier_mix, default=DEFAULT_TIER_MIX, metavar="TIER=WEIGHT,…",
                         help="share of requests per tier, weights ≥ 0 (default %(default)s)")
     parser.add_argument("--slo-ttft-s", type=_slo_ttft_s, default=DEFAULT_SLO, metavar="TIER=SECONDS,…",
                         help="TTFT SLO per tier, seconds > 0; tiers without one are not planned for "
                              "(default %(default)s)")
-    parser.add_argument("--slo-attainment", type=_number(float, "in (0, 1]", lambda v: 0 < v <= 1), default=0.95,
+    parser.add_argument("--slo-attainment", type=number(float, "in (0, 1]", lambda v: 0 < v <= 1), default=0.95,
                         help="share of each tier's requests that must meet its SLO, in (0, 1] (default %(default)s)")
     parser.add_argument("--order", choices=("priority", "fifo"), default="priority",
                         help="queue order: by tier priority or arrival (default %(default)s)")
@@ -872,7 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="use decode/prefill tokens/s measured by this gateway's workers (/status; loopback)")
     parser.add_argument("--queue-model", choices=("auto", "trace", "allen-cunneen"), default="auto",
                         help="auto = trace-driven with a trace, Allen–Cunneen with a rate; trace needs --trace")
-    parser.add_argument("--max-workers", type=_number(int, f"in [1, {MAX_WORKERS}]", lambda v: 1 <= v <= MAX_WORKERS),
+    parser.add_argument("--max-workers", type=number(int, f"in [1, {MAX_WORKERS}]", lambda v: 1 <= v <= MAX_WORKERS),
                         default=256, help=f"search limit, workers (1..{MAX_WORKERS}; default %(default)s)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON here")
     return parser

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.argtypes import POSITIVE_INT
 from worker.kv_cache.block_pool import BlockPool
 from worker.kv_cache.eviction import BlockMeta, EvictionPolicy, make_policy, policy_names
 from worker.kv_cache.prefix_cache import PrefixCache
@@ -405,17 +406,6 @@ def plot(runs: Sequence[dict], out_path: str | Path, title: str = "prefix cache 
     plt.close(fig)
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {value}")
-    return value
-
-
 def _parse_fractions(text: str) -> tuple[float, ...]:
     """argparse type: ``0.05,0.1`` -> (0.05, 0.1), each fraction in (0, 1]."""
     fractions = []
@@ -479,19 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="eviction policies to compare, space- or comma-separated, repeatable "
                              f"(default: all of {', '.join(policy_names())})")
     capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument("--capacity-blocks", type=_positive_int, action="append", default=None, metavar="N",
+    capacity.add_argument("--capacity-blocks", type=POSITIVE_INT, action="append", default=None, metavar="N",
                           help="pool size in blocks (≥ 1), repeatable")
     capacity.add_argument("--capacity-fractions", type=_parse_fractions, default=None, metavar="F,F,…",
                           help="pool sizes as fractions in (0, 1] of the trace's distinct blocks "
                                f"(default {','.join(str(f) for f in DEFAULT_FRACTIONS)})")
-    parser.add_argument("--block-size-tokens", type=_positive_int, default=512, metavar="N",
+    parser.add_argument("--block-size-tokens", type=POSITIVE_INT, default=512, metavar="N",
                         help="tokens per trace block, ≥ 1 (default %(default)s, Mooncake's)")
     parser.add_argument("--keep-first-block", action="store_true",
                         help="keep hash_ids[0] even when every request shares it")
     parser.add_argument("--tier-mix", type=_parse_tier_mix, default="vip:2:20,standard:1:60,free:0:20",
                         metavar="NAME:PRIORITY:PERCENT,…",
                         help="tiers conversations are hashed into; percents sum to 100 (default %(default)s)")
-    parser.add_argument("--max-requests", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--max-requests", type=POSITIVE_INT, default=None, metavar="N",
                         help="replay only the first N requests (≥ 1; default all)")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON here")
     parser.add_argument("--plot", dest="plot_out", default=None, metavar="OUT", help="write a PNG plot here")

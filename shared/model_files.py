@@ -20,6 +20,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -47,16 +48,33 @@ def cache_dir(gguf_path: str) -> str:
     key = hashlib.sha256(
         f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|transformers={version}".encode()
     ).hexdigest()[:32]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(root, "sluice", "gguf", f"{os.path.basename(gguf_path)[:-5]}-{key}")
+    return os.path.join(cache_root(), "gguf", f"{os.path.basename(gguf_path)[:-5]}-{key}")
 
 
-def _publish(tmp: str, final: str) -> None:
-    """Rename a finished entry into place; a concurrent writer that got there first wins."""
+def cache_root() -> str:
+    """Return Sluice's cache folder: ``$XDG_CACHE_HOME/sluice`` (default ``~/.cache/sluice``)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice")
+
+
+def _write_entry(folder: str, write: Callable[[str], None], event: str) -> bool:
+    """Write a cache entry: ``write(tmp)`` fills (and checks) a temporary folder, which is then renamed to
+    ``folder``, so a reader never sees half an entry; a concurrent writer that got there first wins. Return whether
+    it was written; a failure (``OSError``, ``ValueError`` or ``RuntimeError``) is logged and leaves nothing."""
+    tmp = f"{folder}.{os.getpid()}.tmp"
     try:
-        os.rename(tmp, final)
-    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        write(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info(event, path=folder)
+        return True
+    except (OSError, ValueError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("gguf_cache_not_written", path=folder, error=str(exc))
+        return False
 
 
 def _tokenizer_probe(tokenizer: Any) -> tuple:
@@ -85,17 +103,13 @@ def load_tokenizer(path: str) -> Any:
             log.warning("gguf_cache_unreadable", path=folder, error=str(exc))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                               gguf_file=os.path.basename(path))
-    tmp = f"{folder}.{os.getpid()}.tmp"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(tmp: str) -> None:
         tokenizer.save_pretrained(tmp)
         if _tokenizer_probe(AutoTokenizer.from_pretrained(tmp)) != _tokenizer_probe(tokenizer):
             raise ValueError("the saved tokenizer does not render or encode like the GGUF one")
-        _publish(tmp, folder)
-        log.info("gguf_tokenizer_cached", path=folder)
-    except (OSError, ValueError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("gguf_cache_not_written", path=folder, error=str(exc))
+
+    _write_entry(folder, write, "gguf_tokenizer_cached")
     return tokenizer
 
 
@@ -132,10 +146,7 @@ def save_weights(model: Any, folder: str) -> bool:
     import safetensors.torch
     import torch
 
-    tmp = f"{folder}.{os.getpid()}.tmp"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    def write(tmp: str) -> None:
         weights_path = os.path.join(tmp, "model.safetensors")
         safetensors.torch.save_model(model, weights_path)
         state = model.state_dict()
@@ -147,10 +158,5 @@ def save_weights(model: Any, folder: str) -> bool:
             del config.quantization_config
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        _publish(tmp, folder)
-        log.info("gguf_weights_cached", path=folder)
-        return True
-    except (OSError, ValueError, RuntimeError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("gguf_cache_not_written", path=folder, error=str(exc))
-        return False
+
+    return _write_entry(folder, write, "gguf_weights_cached")

@@ -89,11 +89,13 @@ def tokenizer_facts(path: str) -> tuple[int, list[int], list[int]]:
     import json
     import os
 
+    from shared.model_files import cache_root, load_tokenizer
+
     target = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
     try:
         st = os.stat(target)
         key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-        cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice", "sim")
+        cache_dir = os.path.join(cache_root(), "sim")
         cache_path = os.path.join(cache_dir, f"{key}.json")
     except OSError:
         cache_path = ""
@@ -104,8 +106,6 @@ def tokenizer_facts(path: str) -> tuple[int, list[int], list[int]]:
             return int(facts["vocab_size"]), list(facts["special_ids"]), list(facts["eos_ids"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    from shared.model_files import load_tokenizer
-
     tokenizer = load_tokenizer(path)
     vocab_size = len(tokenizer)
     special_ids = sorted(set(tokenizer.all_special_ids))

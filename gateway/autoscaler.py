@@ -13,12 +13,13 @@ through the registry serve the pool but are never started, stopped or counted ag
    the offered load needs (rule 3's count, at least one): scale from zero; the request waits through the cold
    start in its tier queue, its deadline still holds.
 3. ``demand_above_capacity``: the offered load — expected work tokens/s that arrived over the last
-   ``autoscale.demand_window_s`` (or over a tenth of it, when higher: a burst beginning), admitted or not — needs more workers than are ready or starting, at each
-   worker's measured service rate and ``autoscale.target_utilisation``: ``ceil(load ÷ (rate × target))``. Start
-   the difference at once, without waiting for a queue to build (the load-proportional rule of Knative's
-   autoscaler: desired pods = observed load ÷ target load per pod) — also while the pool's first workers are still
-   starting, so a burst that grows during a cold start from zero does not wait for it to end before more start. The rate is the one admission measured while
-   its queue was backlogged (or the workers' reported rates), remembered across a scale to zero.
+   ``autoscale.demand_window_s`` (or over a tenth of it, when higher: a burst beginning), admitted or not — needs
+   more workers than are ready or starting, at each worker's measured service rate and
+   ``autoscale.target_utilisation``: ``ceil(load ÷ (rate × target))``. Start the difference at once, without
+   waiting for a queue to build (the load-proportional rule of Knative's autoscaler: desired pods = observed load ÷
+   target load per pod) — also while the pool's first workers are still starting, so a burst that grows during a
+   cold start from zero does not wait for it to end before more start. The rate is the one admission measured
+   while its queue was backlogged (or the workers' reported rates), remembered across a scale to zero.
 4. Scale up, when the up condition has held for ``scale_up_after_s``:
 
    - ``queue_wait_above_target``: predicted queue wait w > ``target_queue_wait_s``. Start enough workers that the

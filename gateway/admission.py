@@ -40,7 +40,11 @@ requests were held in the queue for lack of room (a backlog: every dispatch then
 backlog, sequence slots, KV), as in the M/G/c busy-period throughput. Until some backlog has been seen
 (``MIN_BACKLOG_S``), the workers' decode + prefill rates from their capacity reports stand in; before those, the
 plain dispatch rate. Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished
-requests actually produced.
+requests actually produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of
+them ends, however little work is queued. So while requests are held for lack of room, the prediction is the
+longer of that and the time until a sequence slot frees for the request (the admitted requests' expected finish
+times from the workers' per-sequence prefill and decode rates; :meth:`AdmissionController._slot_wait_s`). The
+check runs after the dispatch at arrival, so a request that starts at once is never rejected for it.
 ``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
 pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
 bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
@@ -61,6 +65,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import heapq
 import itertools
 import math
 import time
@@ -82,6 +87,8 @@ ANONYMOUS_KEY = "anonymous"
 # reported rates in the predicted wait.
 MIN_BACKLOG_WORKER_S = 2.0
 NO_WORKER_RETRY_AFTER_S = 1.0
+# Queued requests the predicted wait places on sequence slots one by one; the rest count at their mean.
+MAX_SCHEDULED_AHEAD = 256
 # Weight of one finished request in the running mean of (completion tokens ÷ max_tokens).
 _OUTPUT_FRACTION_EWMA_WEIGHT = 0.05
 
@@ -126,6 +133,11 @@ class CapacityView(Protocol):
     def kv_used_fraction(self) -> float:
         """Return used ÷ total KV blocks over the workers, 0–1: blocks held by sequences (not the evictable prefix
         cache) per the latest reports, plus reservations not yet reflected in a report."""
+
+    def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
+        """Return the (prefill, decode) tokens/s one running sequence gets on a busy worker now (prefill 0.0 when
+        not measured); None when unknown. Optional: a view without it gives no sequence-slot term to the predicted
+        wait."""
 
 
 class TicketState(str, enum.Enum):
@@ -309,6 +321,7 @@ class AdmissionController:
         # service rate under backlog: (time s, expected work tokens dispatched, serving worker-seconds backlogged)
         self._backlog_log: deque[tuple[float, float, float]] = deque()
         self._backlogged = False  # the last dispatch pass left a request queued for lack of room
+        self._in_flight: dict[int, Ticket] = {}  # admitted, not yet released, by ticket id
         self._arrival_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per arrival
         self._backlog_mark_s = clock()
         self._output_fraction = 1.0
@@ -400,22 +413,23 @@ class AdmissionController:
                 decision.retry_after_s,
             )
         self._record_arrival(ticket)
-        try:
-            self._check_arrival(ticket, queue)
-        except SluiceError:
-            await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
-            raise
-        now_s = self._clock()
         timeout_s = (
             self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
         )
-        ticket.enqueued_s = now_s
-        ticket.deadline_s = ticket.arrival_s + timeout_s  # the deadline holds from arrival (rate limiter included)
-        ticket.state = TicketState.QUEUED
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        ticket._future = future
-        queue.push(ticket)
-        self._dispatch()
+        try:
+            self._check_arrival(ticket, queue)
+            ticket.enqueued_s = self._clock()
+            ticket.deadline_s = ticket.arrival_s + timeout_s  # the deadline holds from arrival (rate limiter included)
+            ticket.state = TicketState.QUEUED
+            ticket._future = future
+            queue.push(ticket)
+            self._dispatch()
+            if ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection:
+                self._check_predicted_wait(ticket, queue, timeout_s)
+        except SluiceError:
+            await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
+            raise
         try:
             while not future.done():
                 remaining_s = ticket.deadline_s - self._clock()
@@ -440,6 +454,7 @@ class AdmissionController:
         if ticket.state is not TicketState.ADMITTED:
             return
         ticket.state = TicketState.RELEASED
+        self._in_flight.pop(ticket.ticket_id, None)
         queue = self._queues[ticket.tier.name]
         queue.num_in_flight -= 1
         queue.in_flight_blocks -= ticket.demand_blocks
@@ -490,13 +505,62 @@ class AdmissionController:
     def predicted_wait_s(self, tier: str) -> float | None:
         """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown.
 
-        Work ahead (expected tokens queued in this tier and higher ones) ÷ :meth:`drain_rate_tokens_per_s`.
+        The longer of two waits (see the module docstring): the work queued in this tier and higher ones ÷
+        :meth:`drain_rate_tokens_per_s`, and — when requests are held for lack of room — the time until a sequence
+        slot frees for it (:meth:`_slot_wait_s`).
         """
-        work_tokens = self._work_ahead_tokens(self._queues[tier].config.priority)
-        if work_tokens <= 0:
-            return 0.0
+        priority = self._queues[tier].config.priority
+        return self._predicted_wait_s(self._work_ahead_tokens(priority), self._queued_ahead(priority))
+
+    def _predicted_wait_s(self, work_ahead_tokens: float, ahead: list[Ticket]) -> float | None:
+        slot_wait_s = self._slot_wait_s(ahead)
+        if work_ahead_tokens <= 0:
+            return slot_wait_s
         rate = self.drain_rate_tokens_per_s()
-        return work_tokens / rate if rate > 0 else None
+        if rate <= 0:
+            return slot_wait_s if slot_wait_s > 0 else None
+        return max(work_ahead_tokens / rate, slot_wait_s)
+
+    def _slot_wait_s(self, ahead: list[Ticket]) -> float:
+        """Return when a sequence slot frees for a request behind the queued tickets ``ahead`` (in dispatch order),
+        in seconds from now; 0.0 when nothing is held for lack of room or the workers' rates are unknown.
+
+        While the last dispatch pass left a request queued for lack of room, a queued request starts only when an
+        admitted one ends. A request holds its slot for its prompt at the prefill rate plus its expected output
+        (``max_tokens`` × the measured output fraction) at the decode rate one running sequence gets
+        (``CapacityView.sequence_rates_tokens_per_s``). The admitted requests' slots free at their admission + that
+        service time (one past its estimate frees "now"); list scheduling then gives each request ahead, in order,
+        the slot that frees first, for its own service time, and the request starts when the next slot frees. The
+        first :data:`MAX_SCHEDULED_AHEAD` requests ahead are placed one by one, the rest at their mean service time
+        spread over the slots. Work ÷ rate alone misses this: a full pool of long answers admits nobody until one of
+        them ends, however little work is queued.
+        """
+        if not self._backlogged or not self._in_flight:
+            return 0.0
+        rates = getattr(self._view, "sequence_rates_tokens_per_s", None)
+        rates = rates() if rates is not None else None
+        if rates is None or rates[1] <= 0:
+            return 0.0
+        prefill_tokens_per_s, decode_tokens_per_s = rates
+
+        def service_s(ticket: Ticket) -> float:
+            prefill_s = ticket.prompt_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 0.0
+            return prefill_s + ticket.max_tokens * self._output_fraction / decode_tokens_per_s
+
+        now_s = self._clock()
+        slots_free_s = [
+            max(0.0, ticket.admitted_s + service_s(ticket) - now_s)
+            for ticket in self._in_flight.values()
+            if ticket.admitted_s is not None
+        ]
+        if not slots_free_s:
+            return 0.0
+        heapq.heapify(slots_free_s)
+        for ticket in ahead[:MAX_SCHEDULED_AHEAD]:
+            heapq.heapreplace(slots_free_s, slots_free_s[0] + service_s(ticket))
+        rest = ahead[MAX_SCHEDULED_AHEAD:]
+        rest_s = sum(service_s(ticket) for ticket in rest) / len(slots_free_s) if rest else 0.0
+        return slots_free_s[0] + rest_s
 
     def snapshot(self) -> dict[str, Any]:
         """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
@@ -560,18 +624,26 @@ class AdmissionController:
         if full:
             message = f"The '{ticket.tier.name}' queue is full; the server is overloaded."
             self._reject_at_arrival(ticket, queue, ErrorCode.QUEUE_FULL, message)
-        if self._enabled and self._admission.early_rejection:
-            predicted_s = self.predicted_wait_s(ticket.tier.name)
-            timeout_s = self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s)
-            if predicted_s is not None and predicted_s > timeout_s:
-                self._reject_at_arrival(
-                    ticket,
-                    queue,
-                    ErrorCode.PREDICTED_QUEUE_TIMEOUT,
-                    f"The predicted queue wait ({predicted_s:.1f} s) exceeds the '{ticket.tier.name}' tier's "
-                    f"deadline ({timeout_s:g} s); the server is overloaded.",
-                    predicted_s - timeout_s,
-                )
+
+    def _check_predicted_wait(self, ticket: Ticket, queue: _TierQueue, timeout_s: float) -> None:
+        """Early rejection of a ticket that the dispatch at its arrival left queued: take it out of the queue and
+        raise 503 ``predicted_queue_timeout`` when its predicted wait exceeds its deadline."""
+        priority = ticket.tier.priority
+        predicted_s = self._predicted_wait_s(
+            self._work_ahead_tokens(priority) - ticket.expected_work_tokens, self._queued_ahead(priority, ticket)
+        )
+        if predicted_s is None or predicted_s <= timeout_s:
+            return
+        queue.remove(ticket)
+        self._dispatch()  # it may have been the head that held the others back
+        self._reject_at_arrival(
+            ticket,
+            queue,
+            ErrorCode.PREDICTED_QUEUE_TIMEOUT,
+            f"The predicted queue wait ({predicted_s:.1f} s) exceeds the '{ticket.tier.name}' tier's "
+            f"deadline ({timeout_s:g} s); the server is overloaded.",
+            predicted_s - timeout_s,
+        )
 
     def _reject_at_arrival(
         self,
@@ -735,6 +807,7 @@ class AdmissionController:
         ticket.state = TicketState.ADMITTED
         ticket.reservation = reservation
         ticket.admitted_s = now_s
+        self._in_flight[ticket.ticket_id] = ticket
         queue.num_in_flight += 1
         queue.in_flight_blocks += ticket.demand_blocks
         queue.num_admitted += 1
@@ -761,6 +834,20 @@ class AdmissionController:
 
     def _work_ahead_tokens(self, priority: int) -> float:
         return sum(q.queued_work_tokens for q in self._queues.values() if q.config.priority >= priority)
+
+    def _queued_ahead(self, priority: int, behind: Ticket | None = None) -> list[Ticket]:
+        """Return the queued tickets of tiers with at least ``priority``, best first (the dispatch order now),
+        ``behind`` itself left out."""
+        now_s = self._clock()
+        tickets = [
+            ticket
+            for queue in self._queues.values()
+            if queue.config.priority >= priority
+            for ticket in queue.tickets.values()
+            if ticket is not behind
+        ]
+        tickets.sort(key=lambda t: (-self._order.score(t, now_s), t.ticket_id))
+        return tickets
 
     def _dispatch_rate_tokens_per_s(self) -> float:
         now_s = self._clock()

@@ -649,6 +649,30 @@ class WorkerPool:
                 total += decode
         return total
 
+    def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
+        """Return (prefill, decode) tokens/s that one running sequence gets on a busy serving worker now.
+
+        Per busy worker (one that reported running sequences and a measured decode rate): prefill at the worker's
+        measured prefill rate; decode at its measured decode steps per second (``Capacity.
+        sequence_decode_tokens_per_s``: a decode step advances every running sequence by one token), or, from a
+        worker that does not report it, its decode tokens/s ÷ its running sequences. Each is the mean over those
+        workers (prefill 0.0 when no busy worker has measured it). Admission turns these into how long an admitted
+        request holds its sequence slot. None when no busy worker has measured its decode rate.
+        """
+        prefill_rates, decode_rates = [], []
+        for client in self._serving_clients():
+            capacity = client.capacity
+            if capacity is None or capacity.num_running <= 0 or capacity.decode_tokens_per_s <= 0:
+                continue
+            decode_rates.append(capacity.sequence_decode_tokens_per_s
+                                or capacity.decode_tokens_per_s / capacity.num_running)
+            if capacity.prefill_tokens_per_s > 0:
+                prefill_rates.append(capacity.prefill_tokens_per_s)
+        if not decode_rates:
+            return None
+        prefill = sum(prefill_rates) / len(prefill_rates) if prefill_rates else 0.0
+        return prefill, sum(decode_rates) / len(decode_rates)
+
     def kv_used_fraction(self) -> float:
         """Return committed ÷ total KV blocks over serving workers (reservations or reported use, the larger)."""
         clients = self._serving_clients()

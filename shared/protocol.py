@@ -170,6 +170,9 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
         kv_stats: KV lifetime counters and gauges (hits per storage tier, evictions, offload / reload bytes,
             reload vs recompute decisions, preemptions by mode, block lifetime and reuse gap); keys are
             ``name`` or ``name{label=value,...}`` (see ``worker.kv_cache.stats.KVStats``).
+        sequence_decode_tokens_per_s: decode steps per second of the steps that decode, over the last window:
+            the tokens/s one running sequence gets, whatever the batch (0.0 = not measured; last, so that a
+            report from an older worker still decodes).
     """
 
     free_kv_blocks: int
@@ -185,6 +188,7 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pressure: str = "normal"
     draining: bool = False
     kv_stats: dict[str, float] = {}
+    sequence_decode_tokens_per_s: float = 0.0
 
 
 class Pong(msgspec.Struct, tag=True, array_like=True, frozen=True):

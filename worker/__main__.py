@@ -131,6 +131,7 @@ def build_worker(config: Config, worker_id: str):
             num_preemptions=stats.num_preemptions,
             pressure=_pressure(usage),
             kv_stats=engine.kv_stats(),
+            sequence_decode_tokens_per_s=engine.sequence_decode_tokens_per_s(),
         )
 
     return WorkerServer(

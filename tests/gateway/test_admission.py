@@ -447,6 +447,67 @@ async def test_early_rejection_when_the_predicted_wait_misses_the_deadline():
     await asyncio.gather(*waiting, standard, return_exceptions=True)
 
 
+class SlotRatesPool(FakePool):
+    """A FakePool whose workers report per-sequence prefill and decode rates."""
+
+    def __init__(self, sequence_rates: tuple[float, float] | None, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.sequence_rates = sequence_rates
+
+    def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
+        return self.sequence_rates
+
+
+async def test_predicted_wait_counts_until_a_sequence_slot_frees():
+    # Per sequence: prefill 100 tokens/s, decode 10 tokens/s. Two slots, each holding a 40-token answer with a
+    # 10-token prompt: 0.1 + 4.0 = 4.1 s in the slot. Little work queued and a fast drain rate: work ÷ rate alone
+    # would predict a few milliseconds.
+    pool = SlotRatesPool((100.0, 10.0), max_num_seqs=2, rate=1000.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(queue_timeout_s=3.0))))
+    await controller.admit(controller.make_ticket("standard", prompt(10), 40))  # its slot frees at 4.1 s
+    clock.advance(2.0)
+    await controller.admit(controller.make_ticket("standard", prompt(10), 40))  # at 2 + 4.1 = 6.1 s
+    assert controller.predicted_wait_s("vip") == 0.0  # nothing held back yet: a slot may be free
+    clock.advance(1.0)  # now = 3 s
+    # a vip request (80-token prompt, 30-token answer: 0.8 + 3.0 = 3.8 s in its slot) queues for the first slot,
+    # 1.1 s from now: within its 3 s deadline
+    vip = queued_task(controller, controller.make_ticket("vip", prompt(80), 30))
+    await settle()
+    assert not vip.done()
+    # behind it, the next request gets the second slot, 6.1 − 3 = 3.1 s from now
+    assert controller.predicted_wait_s("vip") == pytest.approx(3.1)
+    assert controller.predicted_wait_s("standard") == pytest.approx(3.1)
+    standard = queued_task(controller, controller.make_ticket("standard", prompt(10), 40))
+    await settle()
+    assert not standard.done()  # 3.1 s ≤ standard's 15 s deadline
+    # a batch request waits for both: vip's slot frees again at 1.1 + 3.8 = 4.9 s, before standard's (3.1 + 4.1)
+    assert controller.predicted_wait_s("batch") == pytest.approx(4.9)
+    # a second vip request would start 3.1 s from now, past its 3 s deadline: rejected at arrival
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(controller.make_ticket("vip", prompt(80), 30))
+    assert info.value.code is ErrorCode.PREDICTED_QUEUE_TIMEOUT
+    assert info.value.retry_after_s == 1  # ceil(3.1 − 3)
+    # requests past their estimate free their slots "now", never in the past: the queued vip and standard
+    # requests take both slots at once, and the batch request follows the vip one
+    clock.advance(5.0)
+    assert controller.predicted_wait_s("batch") == pytest.approx(3.8)
+    for task in (vip, standard):
+        task.cancel()
+    await asyncio.gather(vip, standard, return_exceptions=True)
+
+
+async def test_predicted_wait_has_no_slot_term_without_measured_sequence_rates():
+    pool = SlotRatesPool(None, max_num_seqs=1, rate=1000.0)
+    controller = make_controller(pool)
+    await controller.admit(controller.make_ticket("vip", prompt(10), 1000))
+    waiting = queued_task(controller, controller.make_ticket("vip", prompt(10), 10))
+    await settle()
+    assert controller.predicted_wait_s("vip") == pytest.approx(20 / 1000.0)  # work ÷ rate only
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
 async def test_early_rejection_uses_the_dispatch_rate_when_workers_report_none():
     pool = FakePool(max_num_seqs=1, rate=0.0)
     clock = FakeClock()

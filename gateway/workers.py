@@ -67,8 +67,6 @@ MAX_PREFIX_HASHES_PER_WORKER = 4096
 # Floor of a worker's prefill backlog budget, tokens: one default engine step (worker.max_num_batched_tokens), so
 # short prompts batch into one step even when the measured rate is low (a mostly-decoding worker).
 MIN_PREFILL_BUDGET_TOKENS = 512
-# Weight of one finished request in the running mean of its prompt share of the work (prefill vs decode tokens).
-_PROMPT_SHARE_EWMA_WEIGHT = 0.05
 
 
 def _error_code(code: str) -> ErrorCode:
@@ -176,7 +174,6 @@ class WorkerClient:
         self.num_reserved = 0  # reservations (dispatched or about to be) of this gateway on this worker
         self.reserved_blocks = 0  # their KV demand in blocks (prompt + capped output each)
         self.prefix_hashes: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self.prompt_share = 0.5  # running mean of prompt ÷ (prompt + completion) tokens of finished requests
         self.hello: Hello | None = None
         self.capacity: Capacity | None = None
         self.capacity_at_s = 0.0
@@ -432,10 +429,6 @@ class WorkerClient:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream._finish(message)
-                total_tokens = message.prompt_tokens + message.completion_tokens
-                if total_tokens > 0:
-                    share = message.prompt_tokens / total_tokens
-                    self.prompt_share += _PROMPT_SHARE_EWMA_WEIGHT * (share - self.prompt_share)
             case Failed(request_id=request_id, code=code, message=text):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
@@ -632,21 +625,15 @@ class WorkerPool:
     def drain_rate_tokens_per_s(self) -> float:
         """Return the rate at which the workers work off prompt + output tokens, summed over serving workers.
 
-        Per worker: prompt tokens go at the measured prefill rate and output tokens at the measured decode rate
-        (both per busy second, from capacity reports), mixed by the prompt share of finished requests:
-        1 ÷ (share ÷ prefill rate + (1 − share) ÷ decode rate). 0.0 when nothing is measured yet.
+        Per worker: its measured prefill + decode tokens/s. Both are tokens per second of the same busy steps
+        (a step prefills prompt chunks and decodes running sequences together), so their sum is the work done per
+        busy second. 0.0 when nothing is measured yet.
         """
         total = 0.0
         for client in self._serving_clients():
             capacity = client.capacity
-            if capacity is None:
-                continue
-            prefill, decode = capacity.prefill_tokens_per_s, capacity.decode_tokens_per_s
-            if prefill > 0 and decode > 0:
-                share = client.prompt_share
-                total += 1.0 / (share / prefill + (1.0 - share) / decode)
-            else:
-                total += decode
+            if capacity is not None:
+                total += capacity.prefill_tokens_per_s + capacity.decode_tokens_per_s
         return total
 
     def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:

@@ -433,7 +433,8 @@ async def test_bc26_queue_timeout_sheds_at_the_deadline_and_early_rejection_at_a
     await settle(overload)
     before = tier_stats(overload.status(), "batch")
     saturation = Saturation(http, overload.base_url)
-    saturation.add("standard", max_tokens=12, count=2)  # both sequence slots, for about a second
+    saturation.add("standard", max_tokens=8)  # one sequence slot for well under a second ...
+    saturation.add("standard", max_tokens=200)  # ... the other for much longer
     try:
         await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 2)
         # a batch request that should start when the first slot frees, within its 1.5 s deadline, queues ...

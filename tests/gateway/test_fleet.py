@@ -301,7 +301,7 @@ backend = "sim"
 min_workers = 1
 max_workers = 2
 scale_up_after_s = 0.5
-scale_down_after_s = 1.5
+scale_down_after_s = 3.0
 target_queue_wait_s = 0.5
 """
     with Gateway(config) as gw:
@@ -309,8 +309,10 @@ target_queue_wait_s = 0.5
 
         async def load():
             async with aiohttp.ClientSession() as session:
-                # 10 requests for 8 slots: 2 wait, the queue wait is predicted above target → a second worker
-                lengths = [30, 30, 40, 40, 50, 50, 60, 60, 60, 60]
+                # 10 requests for 8 slots: 2 wait, the offered load needs more than one worker → a second one. All
+                # of one length, so they end close together: no low-use tail long enough for a scale-down (3 s)
+                # before the long ones below arrive (its victim would be an idle worker: nothing to drain)
+                lengths = [40] * 10
                 tasks = []
                 for i, n in enumerate(lengths):
                     tasks.append(asyncio.create_task(chat(session, gw.base_url, f"request {i} " + "x " * 20, n,

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 
-.PHONY: install install-test run test bench loadtest redis chromium clean gpu-check
+.PHONY: install install-test run test bench cases loadtest redis chromium clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ test: install-test redis chromium
 
 bench: install-test
 	$(PY) -m bench.run_all
+
+# The behaviour cases of ../shared/cases against a gateway started with scripts/cases/config.toml (stopped again
+# on any exit); report in bench/results/cases_report.json. CASES_ARGS="--only BC06,BC26" runs some of them.
+cases: install
+	bash scripts/cases/run.sh $(CASES_ARGS)
 
 loadtest: install-test
 	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000

@@ -65,7 +65,8 @@ def bench_config(time_scale: float) -> str:
                   f"queue_capacity = {tier.queue_capacity}",
                   f"queue_timeout_s = {QUEUE_TIMEOUT_S[tier.name] * time_scale}",
                   f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
-                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}", ""]
+                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}",
+                  f"reserved_slot_fraction = {tier.reserved_slot_fraction}", ""]
     return "\n".join(lines)
 
 

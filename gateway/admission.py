@@ -12,8 +12,10 @@ Which waiting request goes first is a small policy chosen by name (``admission.o
 
 Dispatch is strict: when the request that should go next does not fit on any worker, nobody behind it jumps ahead,
 so freed capacity goes to it first ("starts within one worker step of capacity freeing", BC28). Only a request
-held back by a **reserved share** is stepped over: tier T's ``reserved_kv_fraction`` of the pool's KV blocks is
-kept for it, and lower-priority tiers may not take the part of it that T is not using.
+held back by a **reserved share** is stepped over: tier T's ``reserved_kv_fraction`` of the pool's KV blocks and
+its ``reserved_slot_fraction`` of the pool's sequence slots are kept for it, and lower-priority tiers may not take
+the part of them that T is not using — so a top-tier request finds a slot at once even while lower tiers' long
+answers would fill every one (BC28).
 
 Shedding, every case an :class:`~shared.errors.SluiceError` with ``retry_after_s`` (integer ≥ 1):
 
@@ -41,10 +43,12 @@ backlog, sequence slots, KV), as in the M/G/c busy-period throughput. Until some
 (``MIN_BACKLOG_S``), the workers' decode + prefill rates from their capacity reports stand in; before those, the
 plain dispatch rate. Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished
 requests actually produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of
-them ends, however little work is queued. So while requests are held for lack of room, the prediction is the
-longer of that and the time until a sequence slot frees for the request (the admitted requests' expected finish
-times from the workers' per-sequence prefill and decode rates; :meth:`AdmissionController._slot_wait_s`). The
-check runs after the dispatch at arrival, so a request that starts at once is never rejected for it.
+them ends, however little work is queued. So while requests are held because sequence slots or KV blocks are
+taken, the prediction is instead the time until a slot frees for the request: list scheduling of the requests
+ahead over the admitted requests' expected ends, from the workers' per-sequence prefill and decode rates
+(:meth:`AdmissionController._slot_wait_s`); work ÷ rate stays for a queue held by the prefill backlog limit (idle
+slots) or before those rates are measured. The check runs after the dispatch at arrival, so a request that starts
+at once is never rejected for it.
 ``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
 pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
 bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
@@ -133,6 +137,10 @@ class CapacityView(Protocol):
     def kv_used_fraction(self) -> float:
         """Return used ÷ total KV blocks over the workers, 0–1: blocks held by sequences (not the evictable prefix
         cache) per the latest reports, plus reservations not yet reflected in a report."""
+
+    def total_sequence_slots(self) -> int:
+        """Return the sequence slots (``max_num_seqs``) summed over the workers that can take requests now.
+        Optional: a view without it has no reserved slot shares."""
 
     def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
         """Return the (prefill, decode) tokens/s one running sequence gets on a busy worker now (prefill 0.0 when
@@ -505,42 +513,49 @@ class AdmissionController:
     def predicted_wait_s(self, tier: str) -> float | None:
         """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown.
 
-        The longer of two waits (see the module docstring): the work queued in this tier and higher ones ÷
-        :meth:`drain_rate_tokens_per_s`, and — when requests are held for lack of room — the time until a sequence
-        slot frees for it (:meth:`_slot_wait_s`).
+        While requests are held because slots or KV are taken: the time until a sequence slot frees for it
+        (:meth:`_slot_wait_s`); else the work queued in this tier and higher ones ÷ :meth:`drain_rate_tokens_per_s`
+        (see the module docstring).
         """
         priority = self._queues[tier].config.priority
-        return self._predicted_wait_s(self._work_ahead_tokens(priority), self._queued_ahead(priority))
+        return self._predicted_wait_s(priority, self._work_ahead_tokens(priority), self._queued_ahead(priority), 1)
 
-    def _predicted_wait_s(self, work_ahead_tokens: float, ahead: list[Ticket]) -> float | None:
-        slot_wait_s = self._slot_wait_s(ahead)
-        if work_ahead_tokens <= 0:
+    def _predicted_wait_s(self, priority: int, work_ahead_tokens: float, ahead: list[Ticket],
+                          demand_blocks: int) -> float | None:
+        slot_wait_s = self._slot_wait_s(priority, ahead, demand_blocks)
+        if slot_wait_s is not None:
             return slot_wait_s
+        if work_ahead_tokens <= 0:
+            return 0.0
         rate = self.drain_rate_tokens_per_s()
-        if rate <= 0:
-            return slot_wait_s if slot_wait_s > 0 else None
-        return max(work_ahead_tokens / rate, slot_wait_s)
+        return work_ahead_tokens / rate if rate > 0 else None
 
-    def _slot_wait_s(self, ahead: list[Ticket]) -> float:
-        """Return when a sequence slot frees for a request behind the queued tickets ``ahead`` (in dispatch order),
-        in seconds from now; 0.0 when nothing is held for lack of room or the workers' rates are unknown.
+    def _slot_wait_s(self, priority: int, ahead: list[Ticket], demand_blocks: int) -> float | None:
+        """Return when a sequence slot frees for a request of tier priority ``priority`` and ``demand_blocks`` KV
+        blocks behind the queued tickets ``ahead`` (in dispatch order), in seconds from now; None where this model
+        does not decide: nothing is held for lack of room, the workers' rates are unknown, or idle slots with KV
+        room remain for everyone ahead (the prefill backlog limit holds the queue: work ÷ rate decides).
 
-        While the last dispatch pass left a request queued for lack of room, a queued request starts only when an
-        admitted one ends. A request holds its slot for its prompt at the prefill rate plus its expected output
-        (``max_tokens`` × the measured output fraction) at the decode rate one running sequence gets
-        (``CapacityView.sequence_rates_tokens_per_s``). The admitted requests' slots free at their admission + that
-        service time (one past its estimate frees "now"); list scheduling then gives each request ahead, in order,
-        the slot that frees first, for its own service time, and the request starts when the next slot frees. The
-        first :data:`MAX_SCHEDULED_AHEAD` requests ahead are placed one by one, the rest at their mean service time
-        spread over the slots. Work ÷ rate alone misses this: a full pool of long answers admits nobody until one of
-        them ends, however little work is queued.
+        While the last dispatch pass left a request queued for lack of room, a queued request starts when a slot
+        is free for it: one of the pool's idle slots (``CapacityView.total_sequence_slots`` − admitted requests −
+        the unused slots reserved for higher tiers) at once — unless the KV blocks left to it (less the unused
+        shares of higher tiers) cannot hold the next request, which then waits for blocks an ending request
+        frees — else when an admitted request ends. A request holds
+        its slot for its prompt at the prefill rate plus its expected output (``max_tokens`` × the measured output
+        fraction) at the decode rate one running sequence gets (``CapacityView.sequence_rates_tokens_per_s``); the
+        admitted requests' slots free at their admission + that service time (one past its estimate frees "now").
+        List scheduling then gives each request ahead, in order, the slot that frees first, for its own service
+        time, and the request starts when the next slot frees. The first :data:`MAX_SCHEDULED_AHEAD` requests ahead
+        are placed one by one, the rest at their mean service time spread over the slots. Work ÷ rate alone misses
+        this: a full pool of long answers admits nobody until one of them ends, however little work is queued; and
+        it counts a prompt token like an output token, where a prompt costs a small part of an answer's slot time.
         """
         if not self._backlogged or not self._in_flight:
-            return 0.0
+            return None
         rates = getattr(self._view, "sequence_rates_tokens_per_s", None)
         rates = rates() if rates is not None else None
         if rates is None or rates[1] <= 0:
-            return 0.0
+            return None
         prefill_tokens_per_s, decode_tokens_per_s = rates
 
         def service_s(ticket: Ticket) -> float:
@@ -553,14 +568,46 @@ class AdmissionController:
             for ticket in self._in_flight.values()
             if ticket.admitted_s is not None
         ]
+        total_slots = self._total_sequence_slots()
+        if total_slots > 0:
+            idle = total_slots - len(self._in_flight) - self._unused_reserved_slots(priority, total_slots)
+            total_blocks = self._view.total_kv_blocks()
+            free_blocks = (total_blocks - sum(queue.in_flight_blocks for queue in self._queues.values())
+                           - self._unused_reserved_blocks(priority, total_blocks))
+            if free_blocks < (ahead[0].demand_blocks if ahead else demand_blocks):
+                idle = 0  # KV binds: idle slots wait for blocks too
+            if idle > len(ahead):
+                return None
+            slots_free_s += [0.0] * max(0, idle)
         if not slots_free_s:
-            return 0.0
+            return None
         heapq.heapify(slots_free_s)
         for ticket in ahead[:MAX_SCHEDULED_AHEAD]:
             heapq.heapreplace(slots_free_s, slots_free_s[0] + service_s(ticket))
         rest = ahead[MAX_SCHEDULED_AHEAD:]
         rest_s = sum(service_s(ticket) for ticket in rest) / len(slots_free_s) if rest else 0.0
         return slots_free_s[0] + rest_s
+
+    def _total_sequence_slots(self) -> int:
+        """Sequence slots of the view's serving workers; 0 for a view that does not count them."""
+        total_slots = getattr(self._view, "total_sequence_slots", None)
+        return total_slots() if total_slots is not None else 0
+
+    def _unused_reserved_blocks(self, priority: int, total_blocks: int) -> float:
+        """KV blocks kept for tiers above ``priority`` (``reserved_kv_fraction``) that they are not using."""
+        return sum(
+            max(0.0, queue.config.reserved_kv_fraction * total_blocks - queue.in_flight_blocks)
+            for queue in self._queues.values()
+            if queue.config.priority > priority and queue.config.reserved_kv_fraction > 0
+        )
+
+    def _unused_reserved_slots(self, priority: int, total_slots: int) -> int:
+        """Slots kept for tiers above ``priority`` (``reserved_slot_fraction``, rounded) that they are not using."""
+        return sum(
+            max(0, math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5) - queue.num_in_flight)
+            for queue in self._queues.values()
+            if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
@@ -630,7 +677,8 @@ class AdmissionController:
         raise 503 ``predicted_queue_timeout`` when its predicted wait exceeds its deadline."""
         priority = ticket.tier.priority
         predicted_s = self._predicted_wait_s(
-            self._work_ahead_tokens(priority) - ticket.expected_work_tokens, self._queued_ahead(priority, ticket)
+            priority, self._work_ahead_tokens(priority) - ticket.expected_work_tokens,
+            self._queued_ahead(priority, ticket), ticket.demand_blocks
         )
         if predicted_s is None or predicted_s <= timeout_s:
             return
@@ -785,7 +833,8 @@ class AdmissionController:
                 if name not in held_back_tiers and (head := queue.head()) is not None
             ]
             if not candidates:
-                self._backlogged = False
+                # requests held back only by reserved shares wait for lack of room too (for lower tiers)
+                self._backlogged = bool(held_back_tiers)
                 return
             best = max(candidates, key=lambda t: (self._order.score(t, now_s), -t.ticket_id))
             if not self._fits_reserved_shares(best):
@@ -817,20 +866,23 @@ class AdmissionController:
             ticket._future.set_result(reservation)
 
     def _fits_reserved_shares(self, ticket: Ticket) -> bool:
-        """Return whether dispatching leaves the unused reserved shares of higher tiers untouched."""
+        """Return whether dispatching leaves the unused reserved shares of higher tiers untouched: their
+        ``reserved_kv_fraction`` of the KV blocks and their ``reserved_slot_fraction`` of the sequence slots."""
         if not self._enabled:
             return True
         total_blocks = self._view.total_kv_blocks()
-        unused_reserved_blocks = 0.0
-        for queue in self._queues.values():
-            if queue.config.priority > ticket.tier.priority and queue.config.reserved_kv_fraction > 0:
-                unused_reserved_blocks += max(
-                    0.0, queue.config.reserved_kv_fraction * total_blocks - queue.in_flight_blocks
-                )
-        if unused_reserved_blocks <= 0:
-            return True
-        in_flight_blocks = sum(queue.in_flight_blocks for queue in self._queues.values())
-        return in_flight_blocks + ticket.demand_blocks <= total_blocks - unused_reserved_blocks
+        unused_reserved_blocks = self._unused_reserved_blocks(ticket.tier.priority, total_blocks)
+        if unused_reserved_blocks > 0:
+            in_flight_blocks = sum(queue.in_flight_blocks for queue in self._queues.values())
+            if in_flight_blocks + ticket.demand_blocks > total_blocks - unused_reserved_blocks:
+                return False
+        total_slots = self._total_sequence_slots()
+        unused_reserved_slots = self._unused_reserved_slots(ticket.tier.priority, total_slots)
+        if unused_reserved_slots > 0:
+            in_flight = sum(queue.num_in_flight for queue in self._queues.values())
+            if in_flight + 1 > total_slots - unused_reserved_slots:
+                return False
+        return True
 
     def _work_ahead_tokens(self, priority: int) -> float:
         return sum(q.queued_work_tokens for q in self._queues.values() if q.config.priority >= priority)
@@ -895,9 +947,8 @@ class AdmissionController:
             ),
             default=0.0,
         )
-        rate = self.drain_rate_tokens_per_s()
-        total_work = sum(q.queued_work_tokens for q in self._queues.values())
-        predicted_s = total_work / rate if rate > 0 else 0.0
+        lowest = min(self._queues.values(), key=lambda q: q.config.priority).config.name
+        predicted_s = self.predicted_wait_s(lowest) or 0.0  # behind all queued work, sequence slots included
         before = self.pressure.level
         level = self.pressure.observe(max(oldest_wait_s, predicted_s), self._view.kv_used_fraction())
         if level > before and level is not PressureLevel.NORMAL:

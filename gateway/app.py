@@ -234,6 +234,7 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model}", handlers.model)
     app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/health", handlers.healthz)  # vLLM's and TGI's path: a drop-in for their health checks
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/status", handlers.status)
     app.router.add_get("/metrics", handlers.metrics)

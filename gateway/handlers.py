@@ -276,7 +276,7 @@ def _model_card(app: web.Application, name: str) -> dict:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: the process is up."""
+    """``GET /healthz`` (and ``GET /health``, the path vLLM and TGI serve): the process is up."""
     return web.json_response({"status": "ok"})
 
 

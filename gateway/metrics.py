@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.protocol import Capacity
@@ -51,12 +51,16 @@ class Metrics:
     ``sluice_worker_info{worker,backend,device,model}``, ``sluice_worker_decode_tokens_per_second{worker,backend}``,
     ``sluice_worker_prefill_tokens_per_second{worker,backend}`` and ``sluice_worker_kv_<key>{worker,backend,...}``
     for each entry of the worker's ``Capacity.kv_stats``. ``backend="sim"`` marks the roofline simulator.
+
+    The gateway process itself: prometheus-client's ``process_*`` metrics (``process_cpu_seconds_total``,
+    ``process_resident_memory_bytes``, ``process_open_fds``, …; Linux only) — what a leak or a spinning loop shows in.
     """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.num_active_requests = 0
         r = self.registry
+        ProcessCollector(registry=r)
         self.requests = Counter("sluice_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.ttft = Histogram("sluice_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS_S, registry=r)

@@ -617,6 +617,10 @@ class WorkerPool:
         """Return the KV blocks of ready workers whose breaker is not open; 0 = no worker can serve."""
         return sum(c.total_kv_blocks for c in self._serving_clients())
 
+    def total_sequence_slots(self) -> int:
+        """Return ``max_num_seqs`` summed over ready workers whose breaker is not open."""
+        return sum(c.hello.max_num_seqs for c in self._serving_clients() if c.hello is not None)
+
     def block_size_tokens(self) -> int:
         """Return tokens per KV block (the first ready worker's; 16 before any said Hello)."""
         ready = self.ready_clients()
@@ -640,7 +644,8 @@ class WorkerPool:
         """Return (prefill, decode) tokens/s that one running sequence gets on a busy serving worker now.
 
         Per busy worker (one that reported running sequences and a measured decode rate): prefill at the worker's
-        measured prefill rate; decode at its measured decode steps per second (``Capacity.
+        prompt tokens per second of its prefilling steps (``Capacity.sequence_prefill_tokens_per_s``, else its
+        prefill rate per busy second); decode at its measured decode steps per second (``Capacity.
         sequence_decode_tokens_per_s``: a decode step advances every running sequence by one token), or, from a
         worker that does not report it, its decode tokens/s ÷ its running sequences. Each is the mean over those
         workers (prefill 0.0 when no busy worker has measured it). Admission turns these into how long an admitted
@@ -653,8 +658,9 @@ class WorkerPool:
                 continue
             decode_rates.append(capacity.sequence_decode_tokens_per_s
                                 or capacity.decode_tokens_per_s / capacity.num_running)
-            if capacity.prefill_tokens_per_s > 0:
-                prefill_rates.append(capacity.prefill_tokens_per_s)
+            prefill = capacity.sequence_prefill_tokens_per_s or capacity.prefill_tokens_per_s
+            if prefill > 0:
+                prefill_rates.append(prefill)
         if not decode_rates:
             return None
         prefill = sum(prefill_rates) / len(prefill_rates) if prefill_rates else 0.0

@@ -249,6 +249,9 @@ class TierConfig(_Section):
         max_tokens: the tier's ceiling on output tokens per choice.
         reserved_kv_fraction: fraction (0–1) of the pool's KV blocks kept for this tier: requests of lower-priority
             tiers may not take the part of it this tier is not using.
+        reserved_slot_fraction: fraction (0–1) of the pool's sequence slots (``max_num_seqs`` summed over its
+            workers, rounded to the nearest whole slot) kept for this tier the same way: where slots bind before KV
+            does, a request of this tier starts at once instead of waiting for a lower tier's answer to end (BC28).
         rpm_limit: requests per minute per API key in this tier; 0 = unlimited (an API key may override it).
         tpm_limit: tokens (prompt + capped output) per minute per API key; 0 = unlimited.
         degrade_pool: a lighter pool (``[[pools]]`` name) this tier's requests go to instead of waiting or being shed
@@ -265,6 +268,7 @@ class TierConfig(_Section):
     default_max_tokens: PositiveInt = 512
     max_tokens: PositiveInt = 2048
     reserved_kv_fraction: Fraction = 0.0
+    reserved_slot_fraction: Fraction = 0.0
     rpm_limit: NonNegativeInt = 0
     tpm_limit: NonNegativeInt = 0
     degrade_pool: str = ""
@@ -275,7 +279,7 @@ class TierConfig(_Section):
 # The tiers a config without ``[[tiers]]`` gets (same values as config.toml).
 DEFAULT_TIERS: tuple[TierConfig, ...] = (
     TierConfig(name="vip", priority=3, queue_capacity=256, queue_timeout_s=5.0, default_max_tokens=1024,
-               max_tokens=2048, reserved_kv_fraction=0.2),
+               max_tokens=2048, reserved_kv_fraction=0.2, reserved_slot_fraction=0.2),
     TierConfig(name="standard", priority=2, queue_capacity=512, queue_timeout_s=15.0, default_max_tokens=512,
                max_tokens=2048, reserved_kv_fraction=0.1),
     TierConfig(name="free", priority=1, queue_capacity=256, queue_timeout_s=30.0, default_max_tokens=256,
@@ -675,10 +679,15 @@ def validate_admission_config(config: Config) -> None:
             raise ConfigError(f"tiers[{i}]: default_max_tokens and max_tokens must be ≥ 1")
         if not 0.0 <= tier.reserved_kv_fraction <= 1.0:
             raise ConfigError(f"tiers[{i}].reserved_kv_fraction: must be in [0, 1], got {tier.reserved_kv_fraction}")
+        if not 0.0 <= tier.reserved_slot_fraction <= 1.0:
+            raise ConfigError(
+                f"tiers[{i}].reserved_slot_fraction: must be in [0, 1], got {tier.reserved_slot_fraction}")
         if tier.rpm_limit < 0 or tier.tpm_limit < 0:
             raise ConfigError(f"tiers[{i}]: rpm_limit and tpm_limit must be ≥ 0 (0 = unlimited)")
     if sum(tier.reserved_kv_fraction for tier in tiers) >= 1.0:
         raise ConfigError("tiers: the reserved_kv_fraction values must sum to less than 1")
+    if sum(tier.reserved_slot_fraction for tier in tiers) >= 1.0:
+        raise ConfigError("tiers: the reserved_slot_fraction values must sum to less than 1")
     if config.default_tier not in names:
         raise ConfigError(f"default_tier: {config.default_tier!r} is not a tier; tiers are {names}")
     for i, key in enumerate(config.api_keys):

@@ -173,6 +173,9 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
         sequence_decode_tokens_per_s: decode steps per second of the steps that decode, over the last window:
             the tokens/s one running sequence gets, whatever the batch (0.0 = not measured; last, so that a
             report from an older worker still decodes).
+        sequence_prefill_tokens_per_s: prompt tokens per second of the steps that prefill, over the last window:
+            how fast a prompt goes once it is being prefilled (``prefill_tokens_per_s`` counts every busy second,
+            decode-only steps too). 0.0 = not measured.
     """
 
     free_kv_blocks: int
@@ -189,6 +192,7 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
     draining: bool = False
     kv_stats: dict[str, float] = {}
     sequence_decode_tokens_per_s: float = 0.0
+    sequence_prefill_tokens_per_s: float = 0.0
 
 
 class Pong(msgspec.Struct, tag=True, array_like=True, frozen=True):

@@ -132,6 +132,7 @@ def build_worker(config: Config, worker_id: str):
             pressure=_pressure(usage),
             kv_stats=engine.kv_stats(),
             sequence_decode_tokens_per_s=engine.sequence_decode_tokens_per_s(),
+            sequence_prefill_tokens_per_s=engine.sequence_prefill_tokens_per_s(),
         )
 
     return WorkerServer(

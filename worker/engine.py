@@ -73,6 +73,7 @@ class Engine:
         self._decode_rate = _RateWindow()
         self._prefill_rate = _RateWindow()
         self._decode_step_rate = _RateWindow()  # steps that decode, per busy second of them
+        self._prefill_step_rate = _RateWindow()  # prompt tokens per busy second of the steps that prefill
         self._prompt_tokens_window = collections.deque()  # (now_s, prompt_tokens, cached_tokens)
         self._kv_stats: dict[str, float] = self.scheduler.kv.stats_snapshot()
         self._kv_stats_at_s = time.monotonic()
@@ -134,6 +135,8 @@ class Engine:
         self._prefill_rate.add(end_s, num_prefill, step_time_s)
         if num_decode:
             self._decode_step_rate.add(end_s, 1, step_time_s)
+        if num_prefill:
+            self._prefill_step_rate.add(end_s, num_prefill, step_time_s)
         result = StepResult(events, step_time_s=step_time_s, num_decode_tokens=num_decode,
                             num_prefill_tokens=num_prefill)
         for event in events:
@@ -161,6 +164,11 @@ class Engine:
 
     def prefill_tokens_per_s(self) -> float:
         return self._prefill_rate.tokens_per_s()
+
+    def sequence_prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of the steps that prefill: how fast a prompt goes once it is being prefilled
+        (0.0 before any prefill step in the window)."""
+        return self._prefill_step_rate.tokens_per_s()
 
     def sequence_decode_tokens_per_s(self) -> float:
         """Decode steps per second of the steps that decode: the tokens/s one running sequence gets (0.0 before

@@ -844,3 +844,99 @@ async def test_arrival_rate_counts_every_arrival_admitted_or_not():
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+class SlotPool(FakePool):
+    """A FakePool that reports its sequence slots (for reserved slot shares)."""
+
+    def total_sequence_slots(self) -> int:
+        return self.max_num_seqs * len(self.free_blocks)
+
+
+async def test_bc28_reserved_slot_share_lets_a_top_tier_request_start_while_lower_tiers_wait():
+    # 4 slots, vip keeps 0.2 × 4 = 0.8 → 1 of them; KV is plentiful, so slots are what binds
+    pool = SlotPool(max_num_seqs=4)
+    config = make_config(tiers(vip=dict(reserved_slot_fraction=0.2)))
+    controller = make_controller(pool, config=config)
+    free = [controller.make_ticket("free", prompt(10), 100) for _ in range(4)]
+    for ticket in free[:3]:
+        await controller.admit(ticket)  # three slots
+    fourth = queued_task(controller, free[3])
+    await settle()
+    assert not fourth.done()  # the last slot is vip's: the free request waits although a slot is idle
+    assert pool.running == [3]
+    vip = controller.make_ticket("vip", prompt(10), 100)
+    await controller.admit(vip)  # at once, in its reserved slot
+    assert pool.running == [4] and vip.queue_wait_s == 0.0
+    # a second vip request has no reserved slot left: it waits like anyone, and goes first when one frees
+    vip2 = queued_task(controller, controller.make_ticket("vip", prompt(10), 100))
+    await settle()
+    controller.release(free[0], completion_tokens=100)
+    await settle()
+    assert vip2.done() and not fourth.done()
+    controller.release(free[1], completion_tokens=100)  # vip holds 2 slots ≥ its 1 reserved: free may use the rest
+    await settle()
+    assert fourth.done()
+    assert pool.tiers_reserved == ["free", "free", "free", "vip", "vip", "free"]
+
+
+async def test_reserved_slot_shares_round_to_the_nearest_slot_and_need_a_view_that_counts_slots():
+    config = make_config(tiers(vip=dict(reserved_slot_fraction=0.2)))
+    # 2 slots: 0.4 of a slot rounds to none reserved
+    pool = SlotPool(max_num_seqs=2)
+    controller = make_controller(pool, config=config)
+    for _ in range(2):
+        await controller.admit(controller.make_ticket("free", prompt(10), 100))
+    # a view that does not count slots (FakePool) reserves none either
+    pool = FakePool(max_num_seqs=4)
+    controller = make_controller(pool, config=config)
+    for _ in range(4):
+        await controller.admit(controller.make_ticket("free", prompt(10), 100))
+    assert pool.running == [4]
+
+
+class SlotRatesAndCountPool(SlotRatesPool):
+    """Counts its slots; ``refuse`` stands for the worker's prefill backlog limit (room, but not now)."""
+
+    refuse = False
+
+    def total_sequence_slots(self) -> int:
+        return self.max_num_seqs * len(self.free_blocks)
+
+    def try_reserve(self, demand_blocks, tier, prompt_token_ids, avoid=None):
+        return None if self.refuse else super().try_reserve(demand_blocks, tier, prompt_token_ids, avoid)
+
+
+async def test_idle_sequence_slots_leave_the_predicted_wait_to_work_over_rate():
+    # 2 of 4 slots run answers of 10.1 s; the third request is held by the prefill backlog limit, not by slots
+    pool = SlotRatesAndCountPool((100.0, 10.0), max_num_seqs=4, blocks_per_worker=100, rate=100.0)
+    controller = make_controller(pool)
+    for _ in range(2):
+        await controller.admit(controller.make_ticket("standard", prompt(10), 100))  # 7 blocks each
+    pool.refuse = True
+    waiting = queued_task(controller, controller.make_ticket("standard", prompt(10), 100))
+    await settle()
+    assert not waiting.done()
+    # two slots idle: no wait for an answer to end; 110 tokens queued ÷ 100 tokens/s
+    assert controller.predicted_wait_s("standard") == pytest.approx(1.1)
+    # one slot idle: a request behind the queued one waits for the first answer to end
+    pool.max_num_seqs = 3
+    assert controller.predicted_wait_s("standard") == pytest.approx(10.1)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_idle_slots_do_not_count_when_the_kv_left_cannot_hold_the_request():
+    # vip keeps 80 of the 100 blocks: two 7-block answers fit in the other 20, a third is held back by the share
+    pool = SlotRatesAndCountPool((100.0, 10.0), max_num_seqs=4, blocks_per_worker=100, rate=100.0)
+    controller = make_controller(pool, config=make_config(tiers(vip=dict(reserved_kv_fraction=0.8))))
+    for _ in range(2):
+        await controller.admit(controller.make_ticket("standard", prompt(10), 100))
+    waiting = queued_task(controller, controller.make_ticket("standard", prompt(10), 100))
+    await settle()
+    assert not waiting.done() and pool.running == [2]
+    # two slots idle, but 6 blocks left to standard: the queued request waits for an answer to end (10.1 s),
+    # and one behind it too (the other answer ends at the same time)
+    assert controller.predicted_wait_s("standard") == pytest.approx(10.1)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)

@@ -293,6 +293,9 @@ async def stream_times(http: aiohttp.ClientSession, base_url: str, body: dict, h
     return times
 
 
+LONG_PROMPT = "Summarise the following text. " + "word " * 780  # 818 tokens with the chat template
+
+
 class Saturation:
     """Long streaming requests in the background; cancelling them closes their connections (the gateway aborts)."""
 
@@ -301,9 +304,9 @@ class Saturation:
         self.base_url = base_url
         self.tasks: list[asyncio.Task] = []
 
-    def add(self, tier: str, max_tokens: int, count: int = 1) -> None:
+    def add(self, tier: str, max_tokens: int, count: int = 1, content: str = "Write the numbers from 1 to 5000.") -> None:
         for _ in range(count):
-            body = _chat("Write the numbers from 1 to 5000.", max_tokens=max_tokens, stream=True)
+            body = _chat(content, max_tokens=max_tokens, stream=True)
             self.tasks.append(asyncio.create_task(post(self.http, self.base_url, body, headers=_tier(tier))))
 
     async def release(self) -> None:
@@ -465,10 +468,12 @@ async def test_bc26_queue_timeout_sheds_at_the_deadline_and_early_rejection_at_a
 async def test_reserved_share_keeps_room_for_the_top_tier(overload, http):
     await settle(overload)
     saturation = Saturation(http, overload.base_url)
-    saturation.add("standard", max_tokens=900)  # (prompt + 900) / 16 ≈ 59 blocks of 128
+    saturation.add("standard", max_tokens=100, content=LONG_PROMPT)  # (818 + 100) / 16 → 58 blocks of 128
     try:
         await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 1)
-        saturation.add("standard", max_tokens=900)  # 118 blocks would eat into vip's unused 64: held back
+        # 116 blocks would eat into vip's unused 64: held back (and predicted to start within its deadline, when
+        # the first one's 100 tokens are out: queued, not rejected)
+        saturation.add("standard", max_tokens=100, content=LONG_PROMPT)
         status = await wait_status(overload, lambda s: tier_stats(s, "standard")["queue_depth"] == 1)
         await asyncio.sleep(0.3)
         status = overload.status()
@@ -500,6 +505,69 @@ async def test_bc28_top_tier_starts_within_one_step_of_capacity_freeing(overload
     assert high["first_token_s"] - capacity_freed_s <= 2 * STEP_S + 0.3, (high, lows)
     assert all(high["first_token_s"] < r["first_token_s"] for r in queued)
     assert float(high["queue_ms"]) > 100  # it did wait for capacity
+
+
+SLOTS_CONFIG = """
+[model]
+max_model_len_tokens = 2048
+
+[gateway]
+max_tokens_cap = 1024
+drain_timeout_s = 5.0
+
+[worker]
+backend = "sim"
+max_num_seqs = 4
+capacity_interval_s = 0.1
+
+[sim]
+time_scale = 10.0
+kv_cache_gib = 0.25
+max_model_len_tokens = 2048
+
+[[tiers]]
+name = "vip"
+priority = 3
+queue_timeout_s = 20.0
+reserved_slot_fraction = 0.25   # 1 of the 4 sequence slots
+
+[[tiers]]
+name = "standard"
+priority = 2
+queue_timeout_s = 30.0
+
+[[tiers]]
+name = "free"
+priority = 1
+queue_timeout_s = 60.0
+
+[[api_keys]]
+key = "sk-vip"
+tenant = "vip-customer"
+tier = "vip"
+"""
+
+
+async def test_bc28_a_reserved_slot_lets_a_top_tier_request_start_while_lower_tiers_fill_the_rest(tmp_path, http):
+    gateway = _start_gateway(tmp_path, SLOTS_CONFIG)
+    saturation = Saturation(http, gateway.base_url)
+    try:
+        _wait_ready(gateway)
+        saturation.add("free", max_tokens=300, count=4)  # long answers for every slot ...
+        # ... but the fourth waits: its slot is vip's, idle or not
+        await wait_status(gateway, lambda s: tier_stats(s, "free")["in_flight"] == 3
+                          and tier_stats(s, "free")["queue_depth"] == 1)
+        vip = await post(http, gateway.base_url, _chat(max_tokens=4), headers=_tier("vip"))
+        assert vip.status == 200, vip.body
+        assert float(vip.headers["x-sluice-queue-ms"]) < 100  # it did not wait for a free answer to end
+        assert tier_stats(gateway.status(), "free")["queue_depth"] == 1
+    finally:
+        await saturation.release()
+        workers = _child_pids(gateway.process.pid)
+        _stop(gateway.process)
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def test_bc28_a_lower_tier_is_not_starved_by_a_top_tier_flood(overload, http):
@@ -536,10 +604,14 @@ async def test_bc20_pressure_levels_tighten_each_tiers_cap_and_relax_again(overl
     assert normal.json()["usage"]["completion_tokens"] == 12
     assert free.json()["usage"]["completion_tokens"] == 12 and free.json()["choices"][0]["finish_reason"] == "length"
     saturation = Saturation(http, overload.base_url)
-    saturation.add("standard", max_tokens=900)
+    saturation.add("standard", max_tokens=100, content=LONG_PROMPT)  # 58 of the 128 KV blocks
     try:
-        await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 1)
-        saturation.add("standard", max_tokens=900)  # queued (vip's share): ~30 s of predicted wait
+        # decoding, with a measured rate: the next one's predicted wait counts until this one ends
+        await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 1
+                          and s["workers"][0]["capacity"]["sequence_decode_tokens_per_s"] > 0)
+        # queued (vip's KV share) until the first one's 100 tokens are out: seconds of predicted wait, past the
+        # 2 s at which pressure turns elevated
+        saturation.add("standard", max_tokens=100, content=LONG_PROMPT)
         await wait_status(overload, lambda s: s["pressure"]["level"] == "elevated")
         async with http.get(overload.base_url + "/metrics") as response:
             assert metric_value(await response.text(), "sluice_pressure_level") == 1.0

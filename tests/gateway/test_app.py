@@ -112,6 +112,11 @@ async def test_unknown_route_404_and_wrong_method_405_in_envelope(client):
     assert response.status == 405 and _envelope(await response.read())["code"] == "method_not_allowed"
 
 
+def metric_sample(text: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a Prometheus text exposition."""
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 async def test_no_worker_is_503_with_retry_after_and_not_ready(client):
     status, headers, raw = await _post(client, CHAT, {"model": MODEL, "messages": [{"role": "user",
                                                                                     "content": "hi"}]})
@@ -119,6 +124,8 @@ async def test_no_worker_is_503_with_retry_after_and_not_ready(client):
     assert _envelope(raw)["code"] == "no_worker_available"
     assert (await client.get("/readyz")).status == 503
     assert (await client.get("/healthz")).status == 200
+    health = await client.get("/health")  # vLLM's and TGI's path (BC12 polls it)
+    assert health.status == 200 and (await health.json()) == {"status": "ok"}
 
 
 async def test_models_status_metrics(client):
@@ -128,6 +135,9 @@ async def test_models_status_metrics(client):
     assert status["model"] == MODEL and status["workers"] == []
     text = await (await client.get("/metrics")).text()
     assert 'sluice_requests_total{endpoint="/v1/chat/completions",status="400"}' in text
+    # the gateway process's own resources (BC05: CPU not spinning; BC33: memory flat)
+    assert metric_sample(text, "process_cpu_seconds_total") > 0
+    assert metric_sample(text, "process_resident_memory_bytes") > 10_000_000
     assert "sluice_active_requests 0.0" in text
 
 

@@ -117,10 +117,12 @@ def test_lower_tiers_pending_prompts_do_not_hold_back_a_higher_tier():
     assert pool.try_reserve(60, "vip", prompt(10, 6)) is None
 
 
-def _report(worker: WorkerClient, num_running: int, prefill: float, decode: float, sequence_decode: float) -> None:
+def _report(worker: WorkerClient, num_running: int, prefill: float, decode: float, sequence_decode: float,
+            sequence_prefill: float = 0.0) -> None:
     worker.capacity = Capacity(free_kv_blocks=10_000, total_kv_blocks=10_000, used_kv_blocks=0, cached_kv_blocks=0,
                                num_running=num_running, num_waiting=0, prefill_tokens_per_s=prefill,
-                               decode_tokens_per_s=decode, sequence_decode_tokens_per_s=sequence_decode)
+                               decode_tokens_per_s=decode, sequence_decode_tokens_per_s=sequence_decode,
+                               sequence_prefill_tokens_per_s=sequence_prefill)
 
 
 def test_drain_rate_is_prefill_plus_decode_of_the_same_busy_steps():
@@ -135,7 +137,8 @@ def test_sequence_rates_come_from_busy_workers_only():
     a, b, c = client("a"), client("b"), client("c")
     pool = WorkerPool([a, b, c])
     assert pool.sequence_rates_tokens_per_s() is None  # nobody decoding yet
-    _report(a, 4, prefill=1000.0, decode=200.0, sequence_decode=40.0)  # 4 sequences, 40 steps/s
-    _report(b, 2, prefill=3000.0, decode=120.0, sequence_decode=0.0)  # an older worker: 120 ÷ 2 running
+    # 4 sequences, 40 decode steps/s; prompts go at 3000 tokens/s while prefilled (1000 per busy second)
+    _report(a, 4, prefill=1000.0, decode=200.0, sequence_decode=40.0, sequence_prefill=3000.0)
+    _report(b, 2, prefill=1000.0, decode=120.0, sequence_decode=0.0)  # an older worker: 120 ÷ 2 running
     _report(c, 0, prefill=9000.0, decode=900.0, sequence_decode=90.0)  # idle: its rates say nothing of now
-    assert pool.sequence_rates_tokens_per_s() == (2000.0, 50.0)
+    assert pool.sequence_rates_tokens_per_s() == (2000.0, 50.0)  # (3000 + 1000) / 2, (40 + 60) / 2

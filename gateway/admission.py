@@ -142,6 +142,9 @@ class CapacityView(Protocol):
         """Return the sequence slots (``max_num_seqs``) summed over the workers that can take requests now.
         Optional: a view without it has no reserved slot shares."""
 
+    def starting_sequence_slots(self) -> int:
+        """Return the sequence slots of workers still starting (an elastic pool's cold starts). Optional (0)."""
+
     def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
         """Return the (prefill, decode) tokens/s one running sequence gets on a busy worker now (prefill 0.0 when
         not measured); None when unknown. Optional: a view without it gives no sequence-slot term to the predicted
@@ -540,7 +543,8 @@ class AdmissionController:
         is free for it: one of the pool's idle slots (``CapacityView.total_sequence_slots`` − admitted requests −
         the unused slots reserved for higher tiers) at once — unless the KV blocks left to it (less the unused
         shares of higher tiers) cannot hold the next request, which then waits for blocks an ending request
-        frees — else when an admitted request ends. A request holds
+        frees — or a slot of a worker still starting (``CapacityView.starting_sequence_slots``, counted free now,
+        as the drain rate counts starting workers), else when an admitted request ends. A request holds
         its slot for its prompt at the prefill rate plus its expected output (``max_tokens`` × the measured output
         fraction) at the decode rate one running sequence gets (``CapacityView.sequence_rates_tokens_per_s``); the
         admitted requests' slots free at their admission + that service time (one past its estimate frees "now").
@@ -576,9 +580,11 @@ class AdmissionController:
                            - self._unused_reserved_blocks(priority, total_blocks))
             if free_blocks < (ahead[0].demand_blocks if ahead else demand_blocks):
                 idle = 0  # KV binds: idle slots wait for blocks too
+            starting = getattr(self._view, "starting_sequence_slots", None)
+            idle = max(0, idle) + (starting() if starting is not None else 0)  # coming workers bring their own KV
             if idle > len(ahead):
                 return None
-            slots_free_s += [0.0] * max(0, idle)
+            slots_free_s += [0.0] * idle
         if not slots_free_s:
             return None
         heapq.heapify(slots_free_s)

@@ -132,6 +132,16 @@ class ElasticWorkerPool(WorkerPool):
             return rate
         return rate * (len(measured) + starting) / len(measured)
 
+    def starting_sequence_slots(self) -> int:
+        """Return the sequence slots the workers still starting will bring, each the mean ``max_num_seqs`` of the
+        serving ones (0 when none serves yet). Admission's slot wait counts them as free now, as
+        :meth:`drain_rate_tokens_per_s` counts their rate: the cold start left is short next to queue deadlines."""
+        starting = self.num_starting_workers()
+        serving = [c.hello.max_num_seqs for c in self._serving_clients() if c.hello is not None]
+        if not starting or not serving:
+            return 0
+        return starting * round(sum(serving) / len(serving))
+
 
 @dataclass(eq=False)
 class LocalWorker:

@@ -940,3 +940,21 @@ async def test_idle_slots_do_not_count_when_the_kv_left_cannot_hold_the_request(
     assert controller.predicted_wait_s("standard") == pytest.approx(10.1)
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_slots_of_starting_workers_count_as_free_in_the_slot_wait():
+    # both slots run 10.1 s answers and a third request waits; a worker coming up brings 2 more slots
+    pool = SlotRatesAndCountPool((100.0, 10.0), max_num_seqs=2, rate=100.0)
+    controller = make_controller(pool)
+    for _ in range(2):
+        await controller.admit(controller.make_ticket("standard", prompt(10), 100))
+    waiting = queued_task(controller, controller.make_ticket("standard", prompt(10), 100))
+    await settle()
+    assert controller.predicted_wait_s("standard") == pytest.approx(10.1)  # behind the queued one: an answer ends
+    pool.starting_sequence_slots = lambda: 2  # type: ignore[attr-defined]
+    # the queued request and the next one take the coming slots: work ÷ rate (110 tokens ÷ 100 tokens/s) decides
+    assert controller.predicted_wait_s("standard") == pytest.approx(1.1)
+    pool.starting_sequence_slots = lambda: 1  # type: ignore[attr-defined]
+    assert controller.predicted_wait_s("standard") == pytest.approx(10.1)  # one coming slot: it takes the queued one
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)

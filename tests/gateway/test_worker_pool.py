@@ -142,3 +142,16 @@ def test_sequence_rates_come_from_busy_workers_only():
     _report(b, 2, prefill=1000.0, decode=120.0, sequence_decode=0.0)  # an older worker: 120 ÷ 2 running
     _report(c, 0, prefill=9000.0, decode=900.0, sequence_decode=90.0)  # idle: its rates say nothing of now
     assert pool.sequence_rates_tokens_per_s() == (2000.0, 50.0)  # (3000 + 1000) / 2, (40 + 60) / 2
+
+
+def test_an_elastic_pool_counts_the_slots_its_starting_workers_bring():
+    from gateway.fleet import ElasticWorkerPool
+
+    pool = ElasticWorkerPool("sim")
+    starting = WorkerClient("unix:/nonexistent/s", "s")  # no Hello yet: starting
+    pool.add_client(starting)
+    assert pool.starting_sequence_slots() == 0  # nobody serves: no max_num_seqs to go by
+    pool.add_client(client("a", max_num_seqs=8))
+    pool.add_client(client("b", max_num_seqs=4))
+    assert pool.total_sequence_slots() == 12
+    assert pool.starting_sequence_slots() == 6  # one starting worker at the serving ones' mean

@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cachesim_bench import DEFAULT_TRACE  # noqa: E402
 from worker.kv_cache.cachesim import (  # noqa: E402
     PrefixCacheSim,
     TraceRequest,
@@ -43,7 +44,6 @@ from worker.kv_cache.cachesim import (  # noqa: E402
 )
 from worker.kv_cache.eviction import BlockMeta, EvictionPolicy, make_policy  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_fast25" / "conversation_trace.jsonl"
 FRACTIONS = (0.05, 0.1)
 IDLE_BUCKETS_S = (60, 120, 240, 480, 960)
 

@@ -325,6 +325,7 @@ class AdmissionController:
         self._order = make_dispatch_order(order_name, config.admission.aging_rate_per_s)
         tiers = sorted(effective_tiers(config), key=lambda tier: -tier.priority)
         self._queues: dict[str, _TierQueue] = {tier.name: _TierQueue(tier) for tier in tiers}
+        self._lowest_tier = tiers[-1].name  # for the pressure level: the wait behind every queued request
         self._total_queue_capacity = sum(tier.queue_capacity for tier in tiers)
         self._ticket_ids = itertools.count(1)
         self._started_s = clock()
@@ -521,11 +522,11 @@ class AdmissionController:
         (see the module docstring).
         """
         priority = self._queues[tier].config.priority
-        return self._predicted_wait_s(priority, self._work_ahead_tokens(priority), self._queued_ahead(priority), 1)
+        return self._predicted_wait_s(priority, self._work_ahead_tokens(priority), None, 1)
 
-    def _predicted_wait_s(self, priority: int, work_ahead_tokens: float, ahead: list[Ticket],
+    def _predicted_wait_s(self, priority: int, work_ahead_tokens: float, behind: Ticket | None,
                           demand_blocks: int) -> float | None:
-        slot_wait_s = self._slot_wait_s(priority, ahead, demand_blocks)
+        slot_wait_s = self._slot_wait_s(priority, behind, demand_blocks)
         if slot_wait_s is not None:
             return slot_wait_s
         if work_ahead_tokens <= 0:
@@ -533,9 +534,10 @@ class AdmissionController:
         rate = self.drain_rate_tokens_per_s()
         return work_ahead_tokens / rate if rate > 0 else None
 
-    def _slot_wait_s(self, priority: int, ahead: list[Ticket], demand_blocks: int) -> float | None:
+    def _slot_wait_s(self, priority: int, behind: Ticket | None, demand_blocks: int) -> float | None:
         """Return when a sequence slot frees for a request of tier priority ``priority`` and ``demand_blocks`` KV
-        blocks behind the queued tickets ``ahead`` (in dispatch order), in seconds from now; None where this model
+        blocks behind the queued tickets ahead of it (:meth:`_queued_ahead`; ``behind``: the request itself when it
+        is queued already), in seconds from now; None where this model
         does not decide: nothing is held for lack of room, the workers' rates are unknown, or idle slots with KV
         room remain for everyone ahead (the prefill backlog limit holds the queue: work ÷ rate decides).
 
@@ -561,6 +563,7 @@ class AdmissionController:
         if rates is None or rates[1] <= 0:
             return None
         prefill_tokens_per_s, decode_tokens_per_s = rates
+        ahead = self._queued_ahead(priority, behind)  # sorted: only once the cheap checks above have passed
 
         def service_s(ticket: Ticket) -> float:
             prefill_s = ticket.prompt_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 0.0
@@ -574,11 +577,8 @@ class AdmissionController:
         ]
         total_slots = self._total_sequence_slots()
         if total_slots > 0:
-            idle = total_slots - len(self._in_flight) - self._unused_reserved_slots(priority, total_slots)
-            total_blocks = self._view.total_kv_blocks()
-            free_blocks = (total_blocks - sum(queue.in_flight_blocks for queue in self._queues.values())
-                           - self._unused_reserved_blocks(priority, total_blocks))
-            if free_blocks < (ahead[0].demand_blocks if ahead else demand_blocks):
+            idle = self._free_slots(priority, total_slots)[0]
+            if self._free_blocks(priority)[0] < (ahead[0].demand_blocks if ahead else demand_blocks):
                 idle = 0  # KV binds: idle slots wait for blocks too
             starting = getattr(self._view, "starting_sequence_slots", None)
             idle = max(0, idle) + (starting() if starting is not None else 0)  # coming workers bring their own KV
@@ -599,21 +599,29 @@ class AdmissionController:
         total_slots = getattr(self._view, "total_sequence_slots", None)
         return total_slots() if total_slots is not None else 0
 
-    def _unused_reserved_blocks(self, priority: int, total_blocks: int) -> float:
-        """KV blocks kept for tiers above ``priority`` (``reserved_kv_fraction``) that they are not using."""
-        return sum(
+    def _free_blocks(self, priority: int) -> tuple[float, float]:
+        """Return (free, unused reserved) KV blocks for a request of tier priority ``priority``: free = the view's
+        total − admitted requests' demand − the unused reserved ones, those that tiers above it keep
+        (``reserved_kv_fraction``) and are not using."""
+        total_blocks = self._view.total_kv_blocks()
+        unused_reserved = sum(
             max(0.0, queue.config.reserved_kv_fraction * total_blocks - queue.in_flight_blocks)
             for queue in self._queues.values()
             if queue.config.priority > priority and queue.config.reserved_kv_fraction > 0
         )
+        free = total_blocks - sum(queue.in_flight_blocks for queue in self._queues.values()) - unused_reserved
+        return free, unused_reserved
 
-    def _unused_reserved_slots(self, priority: int, total_slots: int) -> int:
-        """Slots kept for tiers above ``priority`` (``reserved_slot_fraction``, rounded) that they are not using."""
-        return sum(
+    def _free_slots(self, priority: int, total_slots: int) -> tuple[int, int]:
+        """Return (free, unused reserved) sequence slots of ``total_slots`` for a request of tier priority
+        ``priority``: free = those not admitted − the unused reserved ones, those that tiers above it keep
+        (``reserved_slot_fraction``, rounded) and are not using; free may be negative."""
+        unused_reserved = sum(
             max(0, math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5) - queue.num_in_flight)
             for queue in self._queues.values()
             if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0
         )
+        return total_slots - len(self._in_flight) - unused_reserved, unused_reserved
 
     def snapshot(self) -> dict[str, Any]:
         """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
@@ -683,8 +691,7 @@ class AdmissionController:
         raise 503 ``predicted_queue_timeout`` when its predicted wait exceeds its deadline."""
         priority = ticket.tier.priority
         predicted_s = self._predicted_wait_s(
-            priority, self._work_ahead_tokens(priority) - ticket.expected_work_tokens,
-            self._queued_ahead(priority, ticket), ticket.demand_blocks
+            priority, self._work_ahead_tokens(priority) - ticket.expected_work_tokens, ticket, ticket.demand_blocks
         )
         if predicted_s is None or predicted_s <= timeout_s:
             return
@@ -876,19 +883,11 @@ class AdmissionController:
         ``reserved_kv_fraction`` of the KV blocks and their ``reserved_slot_fraction`` of the sequence slots."""
         if not self._enabled:
             return True
-        total_blocks = self._view.total_kv_blocks()
-        unused_reserved_blocks = self._unused_reserved_blocks(ticket.tier.priority, total_blocks)
-        if unused_reserved_blocks > 0:
-            in_flight_blocks = sum(queue.in_flight_blocks for queue in self._queues.values())
-            if in_flight_blocks + ticket.demand_blocks > total_blocks - unused_reserved_blocks:
-                return False
-        total_slots = self._total_sequence_slots()
-        unused_reserved_slots = self._unused_reserved_slots(ticket.tier.priority, total_slots)
-        if unused_reserved_slots > 0:
-            in_flight = sum(queue.num_in_flight for queue in self._queues.values())
-            if in_flight + 1 > total_slots - unused_reserved_slots:
-                return False
-        return True
+        free_blocks, unused_reserved_blocks = self._free_blocks(ticket.tier.priority)
+        if unused_reserved_blocks > 0 and free_blocks < ticket.demand_blocks:
+            return False
+        free_slots, unused_reserved_slots = self._free_slots(ticket.tier.priority, self._total_sequence_slots())
+        return not (unused_reserved_slots > 0 and free_slots < 1)
 
     def _work_ahead_tokens(self, priority: int) -> float:
         return sum(q.queued_work_tokens for q in self._queues.values() if q.config.priority >= priority)
@@ -953,8 +952,7 @@ class AdmissionController:
             ),
             default=0.0,
         )
-        lowest = min(self._queues.values(), key=lambda q: q.config.priority).config.name
-        predicted_s = self.predicted_wait_s(lowest) or 0.0  # behind all queued work, sequence slots included
+        predicted_s = self.predicted_wait_s(self._lowest_tier) or 0.0  # behind all queued work, slots included
         before = self.pressure.level
         level = self.pressure.observe(max(oldest_wait_s, predicted_s), self._view.kv_used_fraction())
         if level > before and level is not PressureLevel.NORMAL:

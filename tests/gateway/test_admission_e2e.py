@@ -195,6 +195,15 @@ def _wait_ready(gateway: Gateway, timeout_s: float = 180.0) -> None:
     pytest.fail(f"sluice serve not ready:\n{gateway.log_tail()}")
 
 
+def _stop_gateway(gateway: Gateway) -> None:
+    """Stop the gateway (SIGTERM, then SIGKILL) and kill any of its workers that outlive it."""
+    workers = _child_pids(gateway.process.pid)
+    _stop(gateway.process)
+    for pid in workers:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -213,11 +222,7 @@ def overload(tmp_path_factory) -> Gateway:
         _wait_ready(gateway)
         yield gateway
     finally:
-        workers = _child_pids(gateway.process.pid)
-        _stop(gateway.process)
-        for pid in workers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop_gateway(gateway)
 
 
 # ---------------------------------------------------------------------------------------------- HTTP helpers
@@ -563,11 +568,7 @@ async def test_bc28_a_reserved_slot_lets_a_top_tier_request_start_while_lower_ti
         assert tier_stats(gateway.status(), "free")["queue_depth"] == 1
     finally:
         await saturation.release()
-        workers = _child_pids(gateway.process.pid)
-        _stop(gateway.process)
-        for pid in workers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop_gateway(gateway)
 
 
 async def test_bc28_a_lower_tier_is_not_starved_by_a_top_tier_flood(overload, http):

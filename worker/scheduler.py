@@ -3,8 +3,13 @@
 One step spends a budget of ``max_num_batched_tokens`` (vLLM v1 scheduler, Sarathi-Serve chunked prefill)::
 
     1. decode   one token for every running sequence whose prefill is done   (never starved by a long prompt: BC29)
-    2. prefill  the next chunk of every running sequence still in prefill
-    3. admit    waiting sequences, by tier priority (desc) then arrival, while max_num_seqs, blocks and budget allow
+    2. prefill  tier by tier from the top: the next chunk of every running sequence of the tier still in prefill
+                (oldest first), then admit the tier's waiting sequences (oldest first) while max_num_seqs, blocks
+                and budget allow; once an admission fails, no lower tier is admitted in this step
+
+A waiting request of a higher tier thus takes the prefill budget before a lower tier's long prompt that is already
+mid-prefill (vLLM v1 schedules every running chunk before any waiting request, so a top-tier prompt arriving behind
+a 7,000-token low-tier prompt waits for all of its chunks: a priority inversion the tiers exist to prevent).
 
 Running sequences are visited highest tier first, oldest first. When one cannot get a block, the scheduler
 preempts: the victim is the running sequence of the lowest tier, newest first. The KV manager picks the mode by
@@ -200,9 +205,12 @@ class Scheduler:
         step = _Step(budget_tokens=self.max_num_batched_tokens)
         order = sorted(self.running, key=self._queue_key)
         self._schedule_running(step, order, decode=True)
-        self._schedule_running(step, order, decode=False)
-        if not step.preempted:
-            self._admit_waiting(step)
+        admitting = True
+        for tier_priority in sorted({s.tier_priority for s in order} | {s.tier_priority for s in self.waiting},
+                                    reverse=True):
+            self._schedule_running(step, [s for s in order if s.tier_priority == tier_priority], decode=False)
+            if admitting and not step.preempted:
+                admitting = self._admit_waiting(step, tier_priority)
         return SchedulerOutput(list(step.scheduled.values()), step.preempted)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SeqEvent]:
@@ -246,12 +254,16 @@ class Scheduler:
             if self._allocate_or_preempt(step, seq, num_new):
                 self._add_scheduled(step, seq, num_new, num_remaining)
 
-    def _admit_waiting(self, step: _Step) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and step.budget_tokens > 0:
+    def _admit_waiting(self, step: _Step, tier_priority: int) -> bool:
+        """Admit the waiting sequences of ``tier_priority`` (at the front of ``waiting``: no higher tier waits),
+        oldest first. Returns False when one could not be admitted (slots, blocks or budget): lower tiers wait too."""
+        while self.waiting and self.waiting[0].tier_priority == tier_priority:
+            if len(self.running) >= self.max_num_seqs or step.budget_tokens <= 0:
+                return False
             seq = self.waiting[0]
             num_computed = self.kv.admit(seq, step.budget_tokens)
             if num_computed is None:
-                return
+                return False
             num_remaining = seq.num_tokens - num_computed
             num_new = min(num_remaining, step.budget_tokens)
             self.waiting.pop(0)
@@ -261,6 +273,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_scheduled(step, seq, num_new, num_remaining)
+        return True
 
     def _allocate_or_preempt(self, step: _Step, seq: Sequence, num_new: int) -> bool:
         """Get blocks for ``num_new`` more tokens of a running ``seq``, preempting victims until they fit.

@@ -156,6 +156,25 @@ def test_admission_order_is_tier_priority_then_arrival_within_max_num_seqs():
     assert [s.request_id for s in sched.waiting] == ["low-old"]
 
 
+def test_waiting_top_tier_prompt_is_prefilled_before_a_lower_tier_prompt_already_mid_prefill():
+    # a low-tier 60-token prompt starts chunked prefill; a vip prompt arriving after its first chunk takes the
+    # budget at the next step (no priority inversion), and the low-tier prompt resumes with what is left
+    sched = make_scheduler(max_num_batched_tokens=16)
+    fake_kv = FakeKV(BS)
+    sched.add(seq("low", range(100, 160), max_tokens=2, tier_priority=0, arrival_s=0.0))
+    assert plan(step(sched, fake_kv)[0]) == [("low", 16, False)]
+    sched.add(seq("vip", range(200, 210), max_tokens=2, tier_priority=10, arrival_s=1.0))
+    assert plan(step(sched, fake_kv)[0]) == [("vip", 10, True), ("low", 6, False)]
+    assert plan(step(sched, fake_kv)[0]) == [("vip", 1, True), ("low", 15, False)]
+    # a same-tier newcomer still waits behind the running prompt of its tier (oldest first)
+    sched.add(seq("low-new", range(300, 304), max_tokens=1, tier_priority=0, arrival_s=2.0))
+    assert plan(step(sched, fake_kv)[0]) == [("low", 16, False)]
+    assert plan(step(sched, fake_kv)[0]) == [("low", 7, True), ("low-new", 4, True)]
+    assert set(run_to_end(sched, fake_kv)) == {"low"}  # low-new sampled its one token above
+    check_invariants(sched)
+    assert sched.kv.num_used_blocks == 0
+
+
 def test_decode_budget_runs_out_before_max_num_seqs():
     sched = make_scheduler(max_num_batched_tokens=2)
     for i in range(3):

@@ -9,6 +9,7 @@ every metric label and log line that names the backend says it is a simulator. N
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,13 +53,31 @@ def sim_token(seed: int, position: int, vocab: list[int]) -> int:
 
 
 class SimRunner:
-    """Stand-in for :class:`worker.model_runner.ModelRunner` that sleeps for the roofline step time."""
+    """Stand-in for :class:`worker.model_runner.ModelRunner` that sleeps for the roofline step time.
+
+    The simulated GPU runs one step after another; this process's own host work between two steps (scheduling,
+    the KV manager, sampling bookkeeping, socket I/O: real CPU time on this machine, not simulated) overlaps the
+    previous step on the simulated GPU, up to that step's duration, as vLLM v1's async scheduling overlaps the
+    scheduler with the GPU (the roofline's ``step_overhead_ms`` already stands for a real host's share). Without
+    that, a slow test machine would add its Python time to every simulated step and the simulated H200 would be as
+    slow as the CPU driving it. Host work longer than the previous step (the engine was idle, or the host is the
+    bottleneck) is hidden only up to the previous step's duration; after a gap of over two steps the engine was idle
+    and nothing is hidden.
+
+    Attributes:
+        num_steps: steps run.
+        simulated_busy_s: the roofline time of those steps, seconds (time-scaled).
+        host_overlap_s: host time hidden under the previous simulated step, seconds.
+    """
 
     def __init__(self, sim: SimConfig, vocab: list[int]) -> None:
         self.sim = sim
         self.vocab = vocab
         self.num_steps = 0
         self.simulated_busy_s = 0.0
+        self.host_overlap_s = 0.0
+        self._gpu_end_s = -math.inf  # time.monotonic() when the simulated GPU finishes its last step
+        self._last_duration_s = 0.0
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         num_prefill = 0
@@ -68,7 +87,17 @@ class SimRunner:
             if not (item.num_new_tokens == 1 and item.seq.output_token_ids):
                 num_prefill += item.num_new_tokens
         duration_s = step_time_s(self.sim, num_prefill, kv_tokens)
-        time.sleep(duration_s)
+        now_s = time.monotonic()
+        # busy: the host prepared this step while the simulated GPU ran the previous one, so the step starts when
+        # that one ended or when the host was ready, whichever is later; a gap of over two steps was idle time
+        busy = now_s - self._gpu_end_s < 2 * self._last_duration_s
+        start_s = max(self._gpu_end_s, now_s - self._last_duration_s) if busy else now_s
+        end_s = start_s + duration_s
+        if end_s > now_s:
+            time.sleep(end_s - now_s)
+        self.host_overlap_s += now_s - start_s
+        self._gpu_end_s = end_s
+        self._last_duration_s = duration_s
         self.num_steps += 1
         self.simulated_busy_s += duration_s
         return {

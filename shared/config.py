@@ -324,7 +324,9 @@ class AdmissionConfig(_Section):
         worker_prefill_queue_s: most seconds of prefill work (uncached prompt tokens ÷ the worker's measured
             prefill rate) sent to a worker and not yet started; beyond it requests wait in the tier queues, where
             priority and deadlines act. One request is always allowed; 0 = no limit (dispatch up to
-            ``max_num_seqs``).
+            ``max_num_seqs``). 1.0 by measurement: on the overload bench (2× the capacity of 2 sim workers) vip
+            met its SLO in 99.2% of requests in three runs at 1.0 against 98.3–98.8% at 0.5, where vip prompts
+            waited in the gateway while the workers' steps ran short of prefill work.
     """
 
     enabled: bool = True
@@ -336,7 +338,7 @@ class AdmissionConfig(_Section):
     early_rejection: bool = True
     rate_window_s: PositiveFloat = 10.0
     max_retry_after_s: PositiveInt = 120
-    worker_prefill_queue_s: NonNegativeFloat = 0.5
+    worker_prefill_queue_s: NonNegativeFloat = 1.0
 
 
 class PressureLevelConfig(_Section):

@@ -478,6 +478,27 @@ class AdmissionController:
         self._view.release(reservation)
         self._dispatch()
 
+    def worker_start_deadline_s(self, ticket: Ticket, allowance_s: float) -> float:
+        """Return the ``time.time()`` by which the worker must start the admitted ticket's request, else drop it
+        unstarted (``Generate.deadline_s``): the ticket's queue deadline, or ``allowance_s`` from now when later
+        (the ticket may have used most of its deadline here; the worker holds at most that much prefill work of its
+        tier and above ahead of it, ``admission.worker_prefill_queue_s``). 0 = none (admission off, no deadline).
+
+        Higher tiers dispatched after it overtake it on the worker; under sustained overload a low-tier request
+        could otherwise wait there for tens of seconds, past any deadline.
+        """
+        if not self._enabled or ticket.deadline_s is None or math.isinf(ticket.deadline_s):
+            return 0.0
+        return time.time() + max(ticket.deadline_s - self._clock(), allowance_s)
+
+    def shed_at_worker(self, ticket: Ticket, message: str) -> SluiceError:
+        """The worker dropped the ticket's request unstarted at its start deadline: count a ``queue_timeout`` of
+        its tier and return the 503 to answer, with ``Retry-After`` from the tier's drain rate."""
+        queue = self._queues[ticket.tier.name]
+        queue.num_rejected[ErrorCode.QUEUE_TIMEOUT.value] += 1
+        return SluiceError(ErrorCode.QUEUE_TIMEOUT, message,
+                           retry_after_s=self._clamp_retry_after(self._tier_retry_after_s(queue)))
+
     def on_capacity_changed(self) -> None:
         """Re-run dispatch (and shed expired tickets): call when a worker reports capacity or a request ends."""
         self._observe_pressure()

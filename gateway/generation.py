@@ -256,7 +256,11 @@ class Generation:
                 await self._stream_choice(choice)
             except SluiceError as exc:
                 failed_worker = choice.worker
-                self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES)
+                # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
+                dropped = exc.code is ErrorCode.QUEUE_TIMEOUT and choice.completion_tokens == 0
+                self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES, answered=not dropped)
+                if dropped:
+                    raise self.admission.shed_at_worker(choice.ticket, exc.message) from None
                 retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
                              and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE)
                 if not retryable:
@@ -290,6 +294,8 @@ class Generation:
             stop_token_ids=self.tokenizer.eos_token_ids,
             tier=self.admission.worker_tier(self.tier),
             cache_key=self.cache_key,
+            deadline_s=self.admission.worker_start_deadline_s(
+                choice.ticket, self.pool.prefill_queue_s or choice.ticket.tier.queue_timeout_s),
             ignore_eos=self.ignore_eos,
         )
         choice.stream = None
@@ -297,8 +303,9 @@ class Generation:
         choice.dispatched_at_s = time.perf_counter()
         self.pool.dispatched(reservation)
 
-    def _end_attempt(self, choice: ChoiceState, failed: bool) -> None:
-        """Abort the attempt's worker request if it still runs, tell the breaker, give the reservation back."""
+    def _end_attempt(self, choice: ChoiceState, failed: bool, answered: bool = True) -> None:
+        """Abort the attempt's worker request if it still runs, tell the breaker, give the reservation back
+        (with the answer's length unless it failed or was never ``answered``: dropped unstarted)."""
         stream = choice.stream
         if stream is not None and not stream.done:
             stream.worker.abort(stream.request_id)
@@ -309,7 +316,7 @@ class Generation:
             else:
                 self.pool.record_success(reservation)
         if choice.ticket is not None:
-            self.admission.release(choice.ticket, None if failed else choice.completion_tokens)
+            self.admission.release(choice.ticket, choice.completion_tokens if answered and not failed else None)
 
     async def _next_update(self, choice: ChoiceState):
         stream = choice.stream

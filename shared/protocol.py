@@ -49,7 +49,9 @@ class Generate(msgspec.Struct, tag=True, array_like=True, frozen=True):
         tier: admission tier label, carried to eviction.
         cache_key: session / prompt cache key, or "".
         cache_ttl_s: requested KV retention in seconds, 0 for the worker's default.
-        deadline_s: absolute ``time.time()`` after which the worker may drop the request, 0 for none.
+        deadline_s: absolute ``time.time()`` by which the worker must start the request (admit it to a step), else
+            it drops it unstarted and answers :class:`Failed` with code ``queue_timeout``; 0 for none. A request
+            already started (prefilling, decoding, or preempted after starting) is never dropped.
         ignore_eos: keep generating past EOS (benchmarks).
     """
 

@@ -101,7 +101,10 @@ class Engine:
             cache_ttl_s=msg.cache_ttl_s,
             cache_key=msg.cache_key,
         )
-        self._arrival_s[request_id] = time.monotonic() if received_s is None else received_s
+        received_s = time.monotonic() if received_s is None else received_s
+        self._arrival_s[request_id] = received_s
+        if msg.deadline_s > 0:  # an absolute time.time(): on this machine's monotonic clock
+            seq.start_deadline_s = received_s + (msg.deadline_s - time.time())
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -117,9 +120,13 @@ class Engine:
         start_s = time.monotonic()
         kv = self.scheduler.kv
         kv.update_pressure()
+        self.scheduler.expire_waiting(start_s)
         out = self.scheduler.schedule()
         if not out.scheduled:
             events = self.scheduler.update_from_output(out, {})
+            for event in events:  # refused, or dropped unstarted at the start deadline
+                if event.finish_reason is not None:
+                    self._arrival_s.pop(event.request_id, None)
             self._refresh_kv_stats(time.monotonic())
             return StepResult(events=events, step_time_s=time.monotonic() - start_s)
         num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
@@ -145,7 +152,8 @@ class Engine:
                 result.first_token_latency_ms[event.request_id] = (end_s - arrival_s) * 1000.0
             if event.finish_reason is not None:
                 self._arrival_s.pop(event.request_id, None)
-                self._prompt_tokens_window.append((end_s, event.prompt_tokens, event.cached_tokens))
+                if event.error is None:
+                    self._prompt_tokens_window.append((end_s, event.prompt_tokens, event.cached_tokens))
         while self._prompt_tokens_window and self._prompt_tokens_window[0][0] < end_s - 60.0:
             self._prompt_tokens_window.popleft()
         return result

@@ -35,6 +35,8 @@ from worker.sequence import Sequence, SequenceStatus
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+# SeqEvent.error_code of a sequence dropped unstarted at its start deadline (shared.errors.ErrorCode.QUEUE_TIMEOUT)
+ERROR_QUEUE_TIMEOUT = "queue_timeout"
 
 
 @dataclass
@@ -76,8 +78,11 @@ class SeqEvent:
         finish_reason: None while running; ``"stop"``, ``"length"``, or ``"abort"`` (with ``error``).
         prompt_tokens, cached_tokens, completion_tokens: usage so far, in tokens; ``cached_tokens`` is the
             prompt tokens served by the prefix cache at the first admission.
-        error: set when the worker refuses the request (the prompt can never fit the context or the KV pool);
-            then ``finish_reason == "abort"`` and nothing was generated. Appended to PLAN.md's fields.
+        error: set when the worker refuses the request (the prompt can never fit the context or the KV pool) or
+            drops it unstarted at its start deadline; then ``finish_reason == "abort"`` and nothing was generated.
+            Appended to PLAN.md's fields.
+        error_code: the :class:`shared.errors.ErrorCode` value of ``error``: ``queue_timeout`` for a start deadline
+            that passed; None for a refusal (``context_length_exceeded``).
     """
 
     request_id: str
@@ -87,6 +92,7 @@ class SeqEvent:
     cached_tokens: int
     completion_tokens: int
     error: str | None = None
+    error_code: str | None = None
 
 
 @dataclass
@@ -179,6 +185,27 @@ class Scheduler:
             return False
         self._release(seq)
         return True
+
+    def expire_waiting(self, now_s: float) -> int:
+        """Drop the waiting sequences never admitted whose ``start_deadline_s`` has passed; each gets an abort event
+        with a ``queue_timeout`` error at the next update. A preempted sequence has started and is never dropped.
+
+        Args:
+            now_s: ``time.monotonic()`` now.
+
+        Returns:
+            How many were dropped.
+        """
+        expired = [seq for seq in self.waiting
+                   if seq.status is SequenceStatus.WAITING and seq.start_deadline_s <= now_s]
+        for seq in expired:
+            waited_s = now_s - seq.arrival_s
+            self._release(seq)
+            self._pending_events.append(self._event(
+                seq, [], FINISH_ABORT,
+                f"the request was not started by its deadline: it waited {waited_s:.1f} s on the worker behind "
+                "higher tiers; the server is overloaded", ERROR_QUEUE_TIMEOUT))
+        return len(expired)
 
     def has_unfinished(self) -> bool:
         """Whether a step has anything to do (sequences, or events still to report)."""
@@ -355,6 +382,6 @@ class Scheduler:
         self._arrival_idx.pop(seq.request_id, None)
 
     def _event(self, seq: Sequence, new_token_ids: list[int], reason: str | None,
-               error: str | None = None) -> SeqEvent:
+               error: str | None = None, error_code: str | None = None) -> SeqEvent:
         return SeqEvent(seq.request_id, new_token_ids, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                        seq.num_output_tokens, error)
+                        seq.num_output_tokens, error, error_code)

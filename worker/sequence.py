@@ -12,6 +12,7 @@ fed to the model in the next step::
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class Sequence:
         cache_key: the request's session / prompt cache key ("" = none); informational (logs), the chain hash
             already identifies the shared prefix.
         arrival_s: arrival time on ``time.monotonic()``, seconds; breaks ties within a tier.
+        start_deadline_s: ``time.monotonic()`` by which the sequence must be admitted (its prefill started), else
+            the scheduler drops it with a ``queue_timeout`` error (``Generate.deadline_s``); ``inf`` = none.
         num_computed_tokens: leading tokens whose K/V are in the pool.
         num_cached_tokens: prompt tokens served by the prefix cache at the first admission.
         status: see :class:`SequenceStatus`.
@@ -68,6 +71,7 @@ class Sequence:
     cache_ttl_s: float = 0.0
     cache_key: str = ""
     arrival_s: float = field(default_factory=time.monotonic)
+    start_deadline_s: float = math.inf
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -266,7 +266,8 @@ class WorkerServer:
                                      result.first_token_latency_ms.get(event.request_id)))
             error = getattr(event, "error", None)
             if error:
-                conn.send(Failed(request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, error))
+                code = getattr(event, "error_code", None) or ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
+                conn.send(Failed(request_id, code, error))
                 self._forget(event.request_id)
                 changed = True
             elif event.finish_reason is not None:

@@ -571,6 +571,76 @@ async def test_bc28_a_reserved_slot_lets_a_top_tier_request_start_while_lower_ti
         _stop_gateway(gateway)
 
 
+
+WORKER_DEADLINE_CONFIG = """
+[model]
+max_model_len_tokens = 2048
+
+[gateway]
+max_tokens_cap = 64
+drain_timeout_s = 5.0
+
+[worker]
+backend = "sim"
+max_num_seqs = 8
+max_num_batched_tokens = 256   # an 818-token prompt takes 4 steps of about 0.14 s
+capacity_interval_s = 0.1
+
+[sim]
+time_scale = 10.0
+kv_cache_gib = 1.0
+max_model_len_tokens = 2048
+
+[admission]
+worker_prefill_queue_s = 0.0    # no prefill backlog limit: every request goes to the worker at once
+
+[[tiers]]
+name = "vip"
+priority = 3
+queue_timeout_s = 20.0
+
+[[tiers]]
+name = "standard"
+priority = 2
+queue_timeout_s = 20.0
+
+[[tiers]]
+name = "free"
+priority = 1
+queue_timeout_s = 0.5
+
+[[api_keys]]
+key = "sk-vip"
+tenant = "vip-customer"
+tier = "vip"
+"""
+
+
+async def test_bc26_a_request_overtaken_on_the_worker_is_dropped_unstarted_at_its_deadline_with_503(tmp_path, http):
+    # three vip prompts hold the worker's prefill for about 1.7 s; a free request sent to the worker behind them is
+    # overtaken there (the worker prefills higher tiers first), so the worker drops it unstarted once its 0.5 s
+    # deadline has passed, and the client gets the queue timeout the gateway queue would have given, not a late answer
+    gateway = _start_gateway(tmp_path, WORKER_DEADLINE_CONFIG)
+    try:
+        _wait_ready(gateway)
+        vips = [asyncio.create_task(post(http, gateway.base_url, _chat(f"Text {i}. {LONG_PROMPT}", max_tokens=4),
+                                         headers=_tier("vip"))) for i in range(3)]  # no shared prefix
+        await wait_status(gateway, lambda s: tier_stats(s, "vip")["in_flight"] == 3)
+        free = await post(http, gateway.base_url, _chat("Say hi.", max_tokens=4), headers=_tier("free"))
+        assert free.status == 503, free.body
+        error = json.loads(free.body)["error"]
+        assert error["code"] == "queue_timeout" and "not started by its deadline" in error["message"], error
+        assert int(free.headers["retry-after"]) >= 1
+        assert all(reply.status == 200 for reply in await asyncio.gather(*vips))
+        status = await settle(gateway)
+        assert tier_stats(status, "free")["rejected"] == {"queue_timeout": 1}
+        assert tier_stats(status, "free")["in_flight"] == 0
+        # a free request on an idle worker starts at once and is served
+        again = await post(http, gateway.base_url, _chat("Say hi.", max_tokens=4), headers=_tier("free"))
+        assert again.status == 200, again.body
+    finally:
+        _stop_gateway(gateway)
+
 async def test_bc28_a_lower_tier_is_not_starved_by_a_top_tier_flood(overload, http):
     await settle(overload)
     stop = asyncio.Event()

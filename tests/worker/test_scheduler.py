@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from worker.kv_cache.eviction import policy_names
 from worker.kv_cache.manager import KVCacheManager
-from worker.scheduler import Scheduler, SchedulerOutput, SeqEvent
+from worker.scheduler import Scheduler, SchedulerOutput, SeqEvent, _Step
 from worker.sequence import Sequence, SequenceStatus
 
 BS = 4  # tokens per block
@@ -174,6 +174,35 @@ def test_waiting_top_tier_prompt_is_prefilled_before_a_lower_tier_prompt_already
     check_invariants(sched)
     assert sched.kv.num_used_blocks == 0
 
+
+
+def test_a_waiting_sequence_not_started_by_its_deadline_is_dropped_with_queue_timeout_and_no_block_leaks():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(seq("running", [1, 3, 4], max_tokens=50, tier_priority=5, arrival_s=0.0))
+    starved = seq("starved", [5, 6, 7], tier_priority=0, arrival_s=1.0)
+    starved.start_deadline_s = 10.0
+    sched.add(starved)
+    patient = seq("patient", [8, 9], tier_priority=0, arrival_s=2.0)  # no deadline
+    sched.add(patient)
+    step(sched)  # "running" takes the only slot
+    assert sched.expire_waiting(9.99) == 0
+    assert sched.expire_waiting(10.0) == 1
+    _, events = step(sched)
+    [dropped] = [e for e in events if e.request_id == "starved"]
+    assert (dropped.finish_reason, dropped.error_code, dropped.completion_tokens) == ("abort", "queue_timeout", 0)
+    assert "9.0 s" in dropped.error  # waited from its arrival at 1.0 s
+    assert [s.request_id for s in sched.waiting] == ["patient"]
+    assert "starved" not in sched._requests
+    # a preempted sequence has started: never dropped, whatever its deadline
+    victim = sched.running[0]
+    victim.start_deadline_s = 0.0
+    preempting_step = _Step(budget_tokens=0)
+    sched._preempt(preempting_step, victim)
+    assert victim.status is SequenceStatus.PREEMPTED and preempting_step.preempted == ["running"]
+    assert sched.expire_waiting(100.0) == 0
+    run_to_end(sched)
+    check_invariants(sched)
+    assert sched.kv.num_used_blocks == 0
 
 def test_decode_budget_runs_out_before_max_num_seqs():
     sched = make_scheduler(max_num_batched_tokens=2)

@@ -205,21 +205,20 @@ def test_use_that_would_be_high_on_one_worker_fewer_is_not_low():
     assert scaler.tick([obs(one, utilisation=0.01)]) == []
 
 
-def test_queued_requests_or_pressure_block_scale_down():
+def test_queued_requests_block_scale_down_and_pressure_lingering_without_a_queue_does_not():
     clock = FakeClock()
     scaler = make(clock)
     ws = workers(READY, READY)
     for t in (0.0, 30.0, 60.0):
         clock.now_s = t
         assert scaler.tick([obs(ws, wait_s=0.1, queued=1)]) == []
+    # the queue is empty: the level still on its way down (hysteresis) does not hold the workers
     clock.now_s = 61.0
-    assert scaler.tick([obs(ws, wait_s=0.1, pressure=PressureLevel.ELEVATED)]) == []
-    clock.now_s = 62.0
-    assert scaler.tick([obs(ws)]) == []  # low use starts only now
-    clock.now_s = 91.9
-    assert scaler.tick([obs(ws)]) == []
-    clock.now_s = 92.0
-    assert [d.worker_id for d in scaler.tick([obs(ws)])] == ["w1"]
+    assert scaler.tick([obs(ws, wait_s=0.1, pressure=PressureLevel.CRITICAL)]) == []  # low use starts now
+    clock.now_s = 90.9
+    assert scaler.tick([obs(ws, pressure=PressureLevel.ELEVATED)]) == []
+    clock.now_s = 91.0
+    assert [d.worker_id for d in scaler.tick([obs(ws, pressure=PressureLevel.ELEVATED)])] == ["w1"]
 
 
 def test_remote_workers_serve_but_are_never_stopped_or_counted_against_max():

@@ -50,6 +50,10 @@ from bench.replay_bench import bench_config as replay_bench_config  # noqa: E402
 # the autoscaler's windows in the bench, wall seconds: low use this long stops a worker; arrivals over this long
 # are the offered load (a sim worker's cold start here is about 0.3 s wall, so a short window costs little)
 SCALE_DOWN_AFTER_S = 1.5
+# the cold-start estimate before one is measured, wall seconds: what this bench's sim workers take (0.2–1 s
+# measured, mean 0.45 s), rounded up; the default (30 s, a GPU worker loading its model) would predict that the
+# first requests of a pool at zero miss their deadlines and reject them at once
+INITIAL_COLD_START_S = 1.0
 DEMAND_WINDOW_S = 4.0
 START_TIMEOUT_S = 300.0
 MAX_WORKERS = 4
@@ -61,7 +65,7 @@ def bench_config(time_scale: float, autoscale: bool, scale_down_after_s: float =
     time-scaled), plus one sim pool (0..4 or fixed 4). The autoscaler's windows are wall seconds."""
     lines = [replay_bench_config(time_scale),
              "[autoscale]", f"enabled = {'true' if autoscale else 'false'}", "interval_s = 0.5",
-             "initial_cold_start_s = 10.0", f"demand_window_s = {demand_window_s}", "",
+             f"initial_cold_start_s = {INITIAL_COLD_START_S}", f"demand_window_s = {demand_window_s}", "",
              "[[pools]]", 'name = "sim"', 'backend = "sim"',
              f"min_workers = {0 if autoscale else MAX_WORKERS}", f"max_workers = {MAX_WORKERS}",
              "scale_up_after_s = 1.0", f"scale_down_after_s = {scale_down_after_s}",

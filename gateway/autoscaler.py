@@ -12,10 +12,12 @@ through the registry serve the pool but are never started, stopped or counted ag
 2. ``queued_without_worker``: a request is queued and no worker is ready or starting → start at once as many as
    the offered load needs (rule 3's count, at least one): scale from zero; the request waits through the cold
    start in its tier queue, its deadline still holds.
-3. ``demand_above_capacity``: the offered load — expected work tokens/s that arrived over the last
-   ``autoscale.demand_window_s`` (or over a tenth of it, when higher: a burst beginning), admitted or not — needs
+3. ``demand_above_capacity``: the offered load — expected work tokens that arrived over the last
+   ``autoscale.demand_window_s`` w (or over a tenth of it, when higher: a burst beginning), admitted or not — needs
    more workers than are ready or starting, at each worker's measured service rate and
-   ``autoscale.target_utilisation``: ``ceil(load ÷ (rate × target))``. Start the difference at once, without
+   ``autoscale.target_utilisation``, when it may be served within the window plus the pool's
+   ``target_queue_wait_s`` T: ``ceil(work ÷ (rate × target × (w + T)))`` (``gateway.fleet``; a burst the queue
+   absorbs within T starts no worker). Start the difference at once, without
    waiting for a queue to build (the load-proportional rule of Knative's autoscaler: desired pods = observed load ÷
    target load per pod) — also while the pool's first workers are still starting, so a burst that grows during a
    cold start from zero does not wait for it to end before more start. The rate is the one admission measured

@@ -565,9 +565,11 @@ async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
     for _ in range(2):  # two arrivals of 100 tokens of expected work each; no worker: both are rejected
         with pytest.raises(SluiceError):
             await runtime.admission.admit(runtime.admission.make_ticket("standard", list(range(36)), 64))
-    # the burst is seen over the 1 s window: 200 tokens/s ÷ 100 tokens/s per worker
-    assert fleet._demand_workers(runtime) == pytest.approx(2.0)
-    now[0] += 2.0  # past the short window: the 10 s window still holds the workers (20 tokens/s)
-    assert fleet._demand_workers(runtime) == pytest.approx(0.2)
+    # the burst is seen over the 1 s window: its 200 tokens of work may be served within the window and the pool's
+    # target queue wait (2 s) at 100 tokens/s per worker
+    assert runtime.config.target_queue_wait_s == 2.0
+    assert fleet._demand_workers(runtime) == pytest.approx(200 / (100 * (1 + 2)))
+    now[0] += 2.0  # past the short window: the 10 s window still holds the workers
+    assert fleet._demand_workers(runtime) == pytest.approx(200 / (100 * (10 + 2)))
     now[0] += 9.0
     assert fleet._demand_workers(runtime) == 0.0

@@ -34,7 +34,7 @@ through the registry serve the pool but are never started, stopped or counted ag
      starting.
 
    After a start the condition must hold for another ``scale_up_after_s`` before the next one.
-5. Scale down, when no request is queued, nothing is starting or draining, the offered load fits on one worker
+5. Scale down, when no request is queued, nothing is starting, the offered load fits on one worker
    fewer (rule 3's count < ready) and use has been low for ``scale_down_after_s``:
    ``low_utilisation`` — with r ready workers at utilisation u, the work would still be in low use on one worker
    fewer: u × r ÷ (r − 1) < ``autoscale.scale_down_utilisation`` (for r = 1: u = 0, ``idle``). The victim is the
@@ -44,7 +44,8 @@ through the registry serve the pool but are never started, stopped or counted ag
    of ``scale_down_after_s``. Never below ``min_workers``. The pressure level is not a condition: it comes from
    the queue wait and the KV usage, and with no request queued and low use what is left of it is the hysteresis
    of its way down (``pressure.min_dwell_s`` per level), which would hold a burst's workers idle for seconds after
-   the burst.
+   the burst. Nor is a worker still draining: it finishes its last answers (an answer of a few hundred tokens
+   takes seconds) while the next low-use window runs on the workers still ready.
 
 Cold starts (spawn → ``Hello``) are measured per pool (:meth:`Autoscaler.record_cold_start`); their mean over the
 last few starts feeds :meth:`Autoscaler.predicted_wait_s`, the wait a request arriving now must expect when the
@@ -291,7 +292,6 @@ class Autoscaler:
         pool = state.config
         ready = [w for w in obs.workers if w.state is WorkerState.READY]
         candidates = [w for w in ready if w.local]
-        draining = any(w.local and w.state is WorkerState.DRAINING for w in obs.workers)
         num_ready = len(ready)
         if num_ready == 1:
             low = obs.utilisation <= 0.0
@@ -304,7 +304,7 @@ class Autoscaler:
         demand_fits = obs.demand_workers is None or math.ceil(obs.demand_workers - 1e-9) < num_ready
         idle = obs.utilisation <= 0.0 and not obs.demand_workers
         eligible = (low and demand_fits and obs.num_queued == 0
-                    and num_starting == 0 and (idle or not draining) and candidates and num_local > pool.min_workers)
+                    and num_starting == 0 and candidates and num_local > pool.min_workers)
         if not eligible:
             state.low_since_s = None
             return None

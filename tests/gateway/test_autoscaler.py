@@ -187,9 +187,13 @@ def test_low_utilisation_drains_the_least_busy_newest_worker():
     clock.now_s = 30.0
     [decision] = scaler.tick([obs(ws, utilisation=0.3)])
     assert (decision.reason, decision.worker_id) == (ScaleReason.LOW_UTILISATION, "w2")  # w1, w2 idle; w2 newer
-    # the window restarts and a draining worker blocks further scale-down until it is gone
-    clock.now_s = 90.0
-    assert scaler.tick([obs(workers(READY, READY, DRAINING), utilisation=0.2)]) == []
+    # the window restarts after the stop; the worker still draining (finishing its answers) does not hold it up
+    ws = workers(READY, READY, DRAINING, in_flight=(1, 0, 1))
+    clock.now_s = 59.9
+    assert scaler.tick([obs(ws, utilisation=0.2)]) == []
+    clock.now_s = 60.0
+    [decision] = scaler.tick([obs(ws, utilisation=0.2)])  # 0.2 over 2 is 0.4 over 1: low
+    assert (decision.reason, decision.worker_id) == (ScaleReason.LOW_UTILISATION, "w1")
 
 
 def test_use_that_would_be_high_on_one_worker_fewer_is_not_low():

@@ -54,13 +54,15 @@ SCALE_DOWN_AFTER_S = 1.5
 # measured, mean 0.45 s), rounded up; the default (30 s, a GPU worker loading its model) would predict that the
 # first requests of a pool at zero miss their deadlines and reject them at once
 INITIAL_COLD_START_S = 1.0
+# the pool's target queue wait before time scaling, seconds (the lowest tier's predicted wait is compared with it)
+TARGET_QUEUE_WAIT_S = 0.5
 DEMAND_WINDOW_S = 4.0
 START_TIMEOUT_S = 300.0
 MAX_WORKERS = 4
 
 
 def bench_config(time_scale: float, autoscale: bool, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
-                 demand_window_s: float = DEMAND_WINDOW_S) -> str:
+                 demand_window_s: float = DEMAND_WINDOW_S, target_queue_wait_s: float = TARGET_QUEUE_WAIT_S) -> str:
     """Return the gateway config: the replay bench's (its tiers' deadlines at 0.8 × the tier's SLO and its aging,
     time-scaled), plus one sim pool (0..4 or fixed 4). The autoscaler's windows are wall seconds."""
     lines = [replay_bench_config(time_scale),
@@ -69,7 +71,7 @@ def bench_config(time_scale: float, autoscale: bool, scale_down_after_s: float =
              "[[pools]]", 'name = "sim"', 'backend = "sim"',
              f"min_workers = {0 if autoscale else MAX_WORKERS}", f"max_workers = {MAX_WORKERS}",
              "scale_up_after_s = 1.0", f"scale_down_after_s = {scale_down_after_s}",
-             f"target_queue_wait_s = {0.5 * time_scale}", ""]
+             f"target_queue_wait_s = {target_queue_wait_s * time_scale}", ""]
     return "\n".join(lines)
 
 
@@ -145,9 +147,9 @@ def busy_worker_seconds_of(samples) -> float:
 
 def run_one(name: str, autoscale: bool, requests, time_scale: float, slo: dict[str, float], builder,
             out_dir: Path, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
-            demand_window_s: float = DEMAND_WINDOW_S) -> dict:
+            demand_window_s: float = DEMAND_WINDOW_S, target_queue_wait_s: float = TARGET_QUEUE_WAIT_S) -> dict:
     """Serve ``requests`` with one fleet; return its summary, worker-seconds and scale events."""
-    config = bench_config(time_scale, autoscale, scale_down_after_s, demand_window_s)
+    config = bench_config(time_scale, autoscale, scale_down_after_s, demand_window_s, target_queue_wait_s)
     with FleetGateway(config, out_dir / f"autoscale_{name}.log") as gateway:
         if autoscale:
             gateway.wait(lambda pool: pool["workers"]["ready"] == 0, "the empty pool")
@@ -184,6 +186,8 @@ def main() -> int:
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--scale-down-after-s", type=float, default=SCALE_DOWN_AFTER_S)
     parser.add_argument("--demand-window-s", type=float, default=DEMAND_WINDOW_S)
+    parser.add_argument("--target-queue-wait-s", type=float, default=TARGET_QUEUE_WAIT_S,
+                        help="the pool's target queue wait before time scaling, seconds")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     time_scale = args.time_scale
@@ -198,7 +202,8 @@ def main() -> int:
           f"{stats.rate_per_s:.2f}/s over {stats.span_s:.0f} s ({len(requests)} requests, rate scale {rate_scale:.2f})")
     builder = PromptBuilder(load_tokenizer())
     started = time.time()
-    windows = dict(scale_down_after_s=args.scale_down_after_s, demand_window_s=args.demand_window_s)
+    windows = dict(scale_down_after_s=args.scale_down_after_s, demand_window_s=args.demand_window_s,
+                   target_queue_wait_s=args.target_queue_wait_s)
     runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir, **windows),
             run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir, **windows)]
     auto, fixed = runs

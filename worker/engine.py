@@ -120,7 +120,7 @@ class Engine:
         start_s = time.monotonic()
         kv = self.scheduler.kv
         kv.update_pressure()
-        self.scheduler.expire_waiting(start_s)
+        self.scheduler.expire_unstarted(start_s)
         out = self.scheduler.schedule()
         if not out.scheduled:
             events = self.scheduler.update_from_output(out, {})

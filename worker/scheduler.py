@@ -149,6 +149,8 @@ class Scheduler:
         self.num_preemptions_swap = 0
         self._requests: dict[str, Sequence] = {}
         self._arrival_idx: dict[str, int] = {}
+        self._num_steps = 0  # schedule() calls so far
+        self._last_scheduled_step: dict[str, int] = {}  # request id -> index of the last step that scheduled it
         self._num_added = 0
         self._pending_events: list[SeqEvent] = []  # refusals and pool-limit finishes, returned by the next update
 
@@ -186,9 +188,11 @@ class Scheduler:
         self._release(seq)
         return True
 
-    def expire_waiting(self, now_s: float) -> int:
-        """Drop the waiting sequences never admitted whose ``start_deadline_s`` has passed; each gets an abort event
-        with a ``queue_timeout`` error at the next update. A preempted sequence has started and is never dropped.
+    def expire_unstarted(self, now_s: float) -> int:
+        """Drop the sequences whose ``start_deadline_s`` has passed and that have not started: waiting and never
+        admitted, or admitted but held mid-prefill, without a first token, by higher tiers that took the last step's
+        whole prefill budget. Each gets an abort event with a ``queue_timeout`` error at the next update. A sequence
+        whose prefill moved in the last step, one with output, or a preempted one is never dropped.
 
         Args:
             now_s: ``time.monotonic()`` now.
@@ -196,16 +200,18 @@ class Scheduler:
         Returns:
             How many were dropped.
         """
-        expired = [seq for seq in self.waiting
+        waiting = [seq for seq in self.waiting
                    if seq.status is SequenceStatus.WAITING and seq.start_deadline_s <= now_s]
-        for seq in expired:
-            waited_s = now_s - seq.arrival_s
+        held = [seq for seq in self.running
+                if seq.start_deadline_s <= now_s and not seq.output_token_ids
+                and self._last_scheduled_step.get(seq.request_id, -1) < self._num_steps - 1]
+        for seq, where in [(seq, "waited") for seq in waiting] + [(seq, "was held mid-prefill") for seq in held]:
             self._release(seq)
             self._pending_events.append(self._event(
                 seq, [], FINISH_ABORT,
-                f"the request was not started by its deadline: it waited {waited_s:.1f} s on the worker behind "
-                "higher tiers; the server is overloaded", ERROR_QUEUE_TIMEOUT))
-        return len(expired)
+                f"the request was not started by its deadline: it {where} {now_s - seq.arrival_s:.1f} s on the "
+                "worker behind higher tiers; the server is overloaded", ERROR_QUEUE_TIMEOUT))
+        return len(waiting) + len(held)
 
     def has_unfinished(self) -> bool:
         """Whether a step has anything to do (sequences, or events still to report)."""
@@ -230,6 +236,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks within the token budget (see the module docstring)."""
         step = _Step(budget_tokens=self.max_num_batched_tokens)
+        self._num_steps += 1
         order = sorted(self.running, key=self._queue_key)
         self._schedule_running(step, order, decode=True)
         admitting = True
@@ -335,6 +342,7 @@ class Scheduler:
     def _add_scheduled(self, step: _Step, seq: Sequence, num_new: int, num_remaining: int) -> None:
         block_ids = self.kv.get_block_ids(seq.request_id)
         step.scheduled[seq.request_id] = ScheduledSeq(seq, num_new, block_ids, sample=num_new == num_remaining)
+        self._last_scheduled_step[seq.request_id] = self._num_steps - 1
         step.budget_tokens -= num_new
 
     def _queue_key(self, seq: Sequence) -> tuple[int, float, int]:
@@ -380,6 +388,7 @@ class Scheduler:
         self.kv.free(seq)
         self._requests.pop(seq.request_id, None)
         self._arrival_idx.pop(seq.request_id, None)
+        self._last_scheduled_step.pop(seq.request_id, None)
 
     def _event(self, seq: Sequence, new_token_ids: list[int], reason: str | None,
                error: str | None = None, error_code: str | None = None) -> SeqEvent:

@@ -185,8 +185,8 @@ def test_a_waiting_sequence_not_started_by_its_deadline_is_dropped_with_queue_ti
     patient = seq("patient", [8, 9], tier_priority=0, arrival_s=2.0)  # no deadline
     sched.add(patient)
     step(sched)  # "running" takes the only slot
-    assert sched.expire_waiting(9.99) == 0
-    assert sched.expire_waiting(10.0) == 1
+    assert sched.expire_unstarted(9.99) == 0
+    assert sched.expire_unstarted(10.0) == 1
     _, events = step(sched)
     [dropped] = [e for e in events if e.request_id == "starved"]
     assert (dropped.finish_reason, dropped.error_code, dropped.completion_tokens) == ("abort", "queue_timeout", 0)
@@ -199,10 +199,31 @@ def test_a_waiting_sequence_not_started_by_its_deadline_is_dropped_with_queue_ti
     preempting_step = _Step(budget_tokens=0)
     sched._preempt(preempting_step, victim)
     assert victim.status is SequenceStatus.PREEMPTED and preempting_step.preempted == ["running"]
-    assert sched.expire_waiting(100.0) == 0
+    assert sched.expire_unstarted(100.0) == 0
     run_to_end(sched)
     check_invariants(sched)
     assert sched.kv.num_used_blocks == 0
+
+
+def test_a_started_prompt_held_mid_prefill_by_higher_tiers_past_its_deadline_is_dropped_but_a_moving_one_is_not():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    fake_kv = FakeKV(BS)
+    low = seq("low", range(100, 124), max_tokens=2, tier_priority=0, arrival_s=0.0)
+    low.start_deadline_s = 5.0
+    sched.add(low)
+    assert plan(step(sched, fake_kv)[0]) == [("low", 8, False)]  # started: 8 of its 24 prompt tokens
+    assert sched.expire_unstarted(6.0) == 0  # past its deadline, but its prefill moved in the last step
+    sched.add(seq("vip", range(200, 216), max_tokens=2, tier_priority=10, arrival_s=1.0))
+    assert plan(step(sched, fake_kv)[0]) == [("vip", 8, False)]  # vip takes the whole budget: low is held
+    assert sched.expire_unstarted(4.9) == 0  # held, but before its deadline
+    assert sched.expire_unstarted(6.0) == 1
+    _, events = step(sched, fake_kv)
+    [dropped] = [e for e in events if e.request_id == "low"]
+    assert (dropped.finish_reason, dropped.error_code) == ("abort", "queue_timeout")
+    assert "held mid-prefill" in dropped.error
+    assert set(run_to_end(sched, fake_kv)) == {"vip"}
+    check_invariants(sched)
+    assert sched.kv.num_used_blocks == 0 and sched._last_scheduled_step == {}
 
 def test_decode_budget_runs_out_before_max_num_seqs():
     sched = make_scheduler(max_num_batched_tokens=2)

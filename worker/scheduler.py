@@ -20,6 +20,10 @@ tier. On resume a swapped sequence gets its blocks back and continues where it s
 recomputes prompt + outputs so far; the sampler depends only on (seed, output position), so the answer continues
 identically. No sequence is admitted in a step that preempted (vLLM v1).
 
+Before each step the engine calls :meth:`Scheduler.expire_unstarted`: a request the gateway gave a start deadline
+(``Generate.deadline_s``) and that higher tiers kept from starting, or held mid-prefill, past it is dropped with a
+``queue_timeout`` error instead of being served long after its deadline.
+
 ``schedule()`` does not advance ``num_computed_tokens``: the model runner reads it as the start of each chunk;
 :meth:`Scheduler.update_from_output` advances it and caches the blocks that became full.
 """

@@ -33,14 +33,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from shared.errors import ErrorCode
 from worker.kv_cache.manager import PREEMPT_SWAP, KVCacheManager
 from worker.sequence import Sequence, SequenceStatus
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
-# SeqEvent.error_code of a sequence dropped unstarted at its start deadline (shared.errors.ErrorCode.QUEUE_TIMEOUT)
-ERROR_QUEUE_TIMEOUT = "queue_timeout"
 
 
 @dataclass
@@ -153,8 +152,7 @@ class Scheduler:
         self.num_preemptions_swap = 0
         self._requests: dict[str, Sequence] = {}
         self._arrival_idx: dict[str, int] = {}
-        self._num_steps = 0  # schedule() calls so far
-        self._last_scheduled_step: dict[str, int] = {}  # request id -> index of the last step that scheduled it
+        self._scheduled_last_step: set[str] = set()  # request ids the last schedule() gave tokens
         self._num_added = 0
         self._pending_events: list[SeqEvent] = []  # refusals and pool-limit finishes, returned by the next update
 
@@ -208,13 +206,13 @@ class Scheduler:
                    if seq.status is SequenceStatus.WAITING and seq.start_deadline_s <= now_s]
         held = [seq for seq in self.running
                 if seq.start_deadline_s <= now_s and not seq.output_token_ids
-                and self._last_scheduled_step.get(seq.request_id, -1) < self._num_steps - 1]
+                and seq.request_id not in self._scheduled_last_step]
         for seq, where in [(seq, "waited") for seq in waiting] + [(seq, "was held mid-prefill") for seq in held]:
             self._release(seq)
             self._pending_events.append(self._event(
                 seq, [], FINISH_ABORT,
                 f"the request was not started by its deadline: it {where} {now_s - seq.arrival_s:.1f} s on the "
-                "worker behind higher tiers; the server is overloaded", ERROR_QUEUE_TIMEOUT))
+                "worker behind higher tiers; the server is overloaded", ErrorCode.QUEUE_TIMEOUT.value))
         return len(waiting) + len(held)
 
     def has_unfinished(self) -> bool:
@@ -240,7 +238,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks within the token budget (see the module docstring)."""
         step = _Step(budget_tokens=self.max_num_batched_tokens)
-        self._num_steps += 1
         order = sorted(self.running, key=self._queue_key)
         self._schedule_running(step, order, decode=True)
         admitting = True
@@ -249,6 +246,7 @@ class Scheduler:
             self._schedule_running(step, [s for s in order if s.tier_priority == tier_priority], decode=False)
             if admitting and not step.preempted:
                 admitting = self._admit_waiting(step, tier_priority)
+        self._scheduled_last_step = set(step.scheduled)
         return SchedulerOutput(list(step.scheduled.values()), step.preempted)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SeqEvent]:
@@ -346,7 +344,6 @@ class Scheduler:
     def _add_scheduled(self, step: _Step, seq: Sequence, num_new: int, num_remaining: int) -> None:
         block_ids = self.kv.get_block_ids(seq.request_id)
         step.scheduled[seq.request_id] = ScheduledSeq(seq, num_new, block_ids, sample=num_new == num_remaining)
-        self._last_scheduled_step[seq.request_id] = self._num_steps - 1
         step.budget_tokens -= num_new
 
     def _queue_key(self, seq: Sequence) -> tuple[int, float, int]:
@@ -392,7 +389,6 @@ class Scheduler:
         self.kv.free(seq)
         self._requests.pop(seq.request_id, None)
         self._arrival_idx.pop(seq.request_id, None)
-        self._last_scheduled_step.pop(seq.request_id, None)
 
     def _event(self, seq: Sequence, new_token_ids: list[int], reason: str | None,
                error: str | None = None, error_code: str | None = None) -> SeqEvent:

@@ -223,7 +223,7 @@ def test_a_started_prompt_held_mid_prefill_by_higher_tiers_past_its_deadline_is_
     assert "held mid-prefill" in dropped.error
     assert set(run_to_end(sched, fake_kv)) == {"vip"}
     check_invariants(sched)
-    assert sched.kv.num_used_blocks == 0 and sched._last_scheduled_step == {}
+    assert sched.kv.num_used_blocks == 0 and sched._requests == {}
 
 def test_decode_budget_runs_out_before_max_num_seqs():
     sched = make_scheduler(max_num_batched_tokens=2)

@@ -4,9 +4,20 @@ fixed fleet of 4.
 
 Capacity comes from the planner (``sluice.plan``), as in ``bench/replay_bench.py``: one sim worker (the roofline
 SIMULATOR of an H200 serving Llama-3-8B) saturates at ``mu`` answers/s for the trace's lengths, so 2 workers sustain
-``2·mu``; the trace (its first ``--requests`` requests) is rate-scaled to a mean arrival rate of 2 × 2·mu. Tiers
-20% vip / 60% standard / 20% free (seeded); SLO TTFT ≤ 1 s for vip, ≤ 5 s for the others, in simulated time: every
-simulated duration is multiplied by ``--time-scale`` and so are the SLOs and the tiers' queue deadlines, so the
+``2·mu``. The trace (its first ``--requests`` requests) is rate-scaled so that ``--multiple`` × 2·mu is, with
+``--load``:
+
+- ``busy`` (the default): its rate *while busy*, the requests over the 10-s windows of the trace that hold an
+  arrival (:func:`loadtest.traces.busy_rate_per_s`). The bursts come at 2× the capacity of 2 workers, which is what
+  the fixed fleet of 4 is sized for, and the idle gaps between them stay idle (about 60% of the 10-s windows of
+  the first 1200 requests hold no arrival).
+- ``mean``: its mean rate, the bursts spread over the gaps. The fleet of 4 then has to carry its full capacity on
+  average, so the bursts overload it and its queues drain into the gaps: it is busy about 64% of its
+  worker-seconds, and an autoscaled fleet of at most 4 that does the same work cannot spend less than that.
+  Kept for comparison (``bench/results/autoscale_mean_rate.json``).
+
+Tiers 20% vip / 60% standard / 20% free (seeded); SLO TTFT ≤ 1 s for vip, ≤ 5 s for the others, in simulated time:
+every simulated duration is multiplied by ``--time-scale`` and so are the SLOs and the tiers' queue deadlines, so the
 experiment runs at a pace this machine can drive. A sim worker's cold start here (spawn → Hello: Python start and the
 tokenizer load) is real wall time, not scaled: at ``--time-scale`` k it stands for a cold start k times shorter on the
 simulated GPU.
@@ -14,11 +25,11 @@ simulated GPU.
 Worker-seconds are counted over the replay (from its first arrival to its end) from the gateway's ``/status``: every
 second a local worker process exists, starting and draining included.
 
-Writes ``bench/results/autoscale.json``: per run the per-tier summary (SLO attainment, TTFT percentiles, rejections),
-worker-seconds, scale events and cold starts; and the checks of issue 7 (attainment per tier no worse than the fixed
-fleet's, worker-seconds ≤ 60% of it).
+Writes ``bench/results/autoscale.json`` (``autoscale_mean_rate.json`` with ``--load mean``): per run the per-tier
+summary (SLO attainment, TTFT percentiles, rejections), worker-seconds, scale events and cold starts; and the checks
+of issue 7 (attainment per tier no worse than the fixed fleet's, worker-seconds ≤ 60% of it).
 
-    .venv/bin/python -m bench.autoscale_bench [--requests 1200] [--time-scale 4]
+    .venv/bin/python -m bench.autoscale_bench [--load busy|mean] [--requests 1200] [--time-scale 4]
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ sys.path.insert(0, str(REPO))
 from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from loadtest.replay import ReplayOptions, run_replay  # noqa: E402
 from loadtest.summary import format_table, summarize  # noqa: E402
-from loadtest.traces import assign_tiers, load_trace, parse_mix, shape_trace, trace_stats  # noqa: E402
+from loadtest.traces import assign_tiers, busy_rate_per_s, load_trace, parse_mix, shape_trace, trace_stats  # noqa: E402
 
 from bench.replay_bench import SLO_TTFT_S, TIER_MIX, capacity_per_worker  # noqa: E402
 from bench.replay_bench import bench_config as replay_bench_config  # noqa: E402
@@ -59,6 +70,8 @@ TARGET_QUEUE_WAIT_S = 0.5
 DEMAND_WINDOW_S = 4.0
 START_TIMEOUT_S = 300.0
 MAX_WORKERS = 4
+# the window of the trace's own clock over which ``--load busy`` tells busy from idle, seconds
+BUSY_WINDOW_S = 10.0
 
 
 def bench_config(time_scale: float, autoscale: bool, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
@@ -146,11 +159,11 @@ def busy_worker_seconds_of(samples) -> float:
 
 
 def run_one(name: str, autoscale: bool, requests, time_scale: float, slo: dict[str, float], builder,
-            out_dir: Path, scale_down_after_s: float = SCALE_DOWN_AFTER_S,
+            out_dir: Path, stem: str = "autoscale", scale_down_after_s: float = SCALE_DOWN_AFTER_S,
             demand_window_s: float = DEMAND_WINDOW_S, target_queue_wait_s: float = TARGET_QUEUE_WAIT_S) -> dict:
     """Serve ``requests`` with one fleet; return its summary, worker-seconds and scale events."""
     config = bench_config(time_scale, autoscale, scale_down_after_s, demand_window_s, target_queue_wait_s)
-    with FleetGateway(config, out_dir / f"autoscale_{name}.log") as gateway:
+    with FleetGateway(config, out_dir / f"{stem}_{name}.log") as gateway:
         if autoscale:
             gateway.wait(lambda pool: pool["workers"]["ready"] == 0, "the empty pool")
         else:
@@ -183,6 +196,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1200)
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--multiple", type=float, default=2.0, help="offered load ÷ capacity of 2 sim workers")
+    parser.add_argument("--load", choices=("busy", "mean"), default="busy",
+                        help="which rate of the trace is set to --multiple × the capacity: while busy, or the mean")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--scale-down-after-s", type=float, default=SCALE_DOWN_AFTER_S)
     parser.add_argument("--demand-window-s", type=float, default=DEMAND_WINDOW_S)
@@ -195,7 +210,9 @@ def main() -> int:
     base = shape_trace(load_trace("azure-code"), max_requests=args.requests)
     mu = capacity_per_worker(assign_tiers(base, parse_mix(TIER_MIX)), time_scale)
     capacity = 2 * mu
-    rate_scale = args.multiple * capacity / trace_stats(base).rate_per_s
+    base_rate = busy_rate_per_s(base, BUSY_WINDOW_S) if args.load == "busy" else trace_stats(base).rate_per_s
+    rate_scale = args.multiple * capacity / base_rate
+    stem = "autoscale" if args.load == "busy" else "autoscale_mean_rate"
     requests = assign_tiers(shape_trace(base, rate_scale=rate_scale), parse_mix(TIER_MIX), seed=0)
     stats = trace_stats(requests)
     print(f"capacity of 2 sim workers (planner, time_scale {time_scale}): {capacity:.2f} answers/s; offered "
@@ -204,8 +221,8 @@ def main() -> int:
     started = time.time()
     windows = dict(scale_down_after_s=args.scale_down_after_s, demand_window_s=args.demand_window_s,
                    target_queue_wait_s=args.target_queue_wait_s)
-    runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir, **windows),
-            run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir, **windows)]
+    runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir, stem, **windows),
+            run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir, stem, **windows)]
     auto, fixed = runs
     checks = {"worker_seconds_ratio": auto["worker_seconds"] / fixed["worker_seconds"]
               if fixed["worker_seconds"] else None,
@@ -221,13 +238,15 @@ def main() -> int:
         checks[f"{tier}_no_worse"] = a is not None and f is not None and a >= f
     print("\nchecks:", json.dumps(checks, indent=1))
     result = {"trace": "azure-code", "requests": len(requests), "time_scale": time_scale, "multiple": args.multiple,
+              "load": args.load, "busy_window_s": BUSY_WINDOW_S if args.load == "busy" else None,
+              "busy_rate_per_s": busy_rate_per_s(requests, BUSY_WINDOW_S / rate_scale),
               "slo_ttft_s_scaled": slo, "tier_mix": TIER_MIX, "capacity_per_worker_per_s": mu,
               "capacity_2_workers_per_s": capacity, "rate_scale": rate_scale, "offered_rate_per_s": stats.rate_per_s,
               "autoscale_windows_s": windows,
               "bench_wall_s": time.time() - started, "runs": runs, "checks": checks}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "autoscale.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out_dir / 'autoscale.json'} in {time.time() - started:.0f} s")
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_dir / f'{stem}.json'} in {time.time() - started:.0f} s")
     return 0
 
 

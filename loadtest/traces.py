@@ -287,3 +287,29 @@ def trace_stats(requests: list[TraceRequest]) -> TraceStats:
     rate = (n - 1) / span_s if span_s > 0 else 0.0
     return TraceStats(n, span_s, rate, sum(r.input_tokens for r in requests) / n,
                       sum(r.output_tokens for r in requests) / n)
+
+
+def busy_rate_per_s(requests: list[TraceRequest], window_s: float = 10.0) -> float:
+    """Return the arrival rate of a trace while it is busy: requests ÷ (windows holding an arrival × ``window_s``).
+
+    The trace's span is cut into windows of ``window_s`` from its first arrival; windows with no arrival (the idle
+    gaps of a bursty trace) are left out. This is the rate a fleet sized for the bursts must carry, where
+    :func:`trace_stats`'s ``rate_per_s`` spreads the bursts over the gaps.
+
+    Args:
+        requests: sorted by ``arrival_s``.
+        window_s: window length, seconds of the trace's own clock.
+
+    Returns:
+        Requests per second; 0 for no requests.
+
+    Raises:
+        TraceError: ``window_s`` ≤ 0.
+    """
+    if not window_s > 0:
+        raise TraceError(f"window_s must be > 0, got {window_s}")
+    if not requests:
+        return 0.0
+    t0 = requests[0].arrival_s
+    busy_windows = {int((r.arrival_s - t0) // window_s) for r in requests}
+    return len(requests) / (len(busy_windows) * window_s)

@@ -10,6 +10,7 @@ from loadtest.traces import (
     TraceError,
     TraceRequest,
     assign_tiers,
+    busy_rate_per_s,
     load_azure_csv,
     load_mooncake_jsonl,
     load_trace,
@@ -76,6 +77,18 @@ def test_rate_scale_multiplies_the_measured_rate():
     trace = shape_trace(load_trace("azure-conv"), max_requests=500)
     assert trace_stats(shape_trace(trace, rate_scale=3.0)).rate_per_s == pytest.approx(
         3.0 * trace_stats(trace).rate_per_s)
+
+
+def test_busy_rate_leaves_the_idle_windows_out():
+    # arrivals in windows 0 and 3 of 10 s (windows 1 and 2 idle): 6 requests over 2 busy windows
+    trace = [TraceRequest(float(t), 10, 5) for t in (0, 2, 4, 31, 33, 39)]
+    assert busy_rate_per_s(trace, window_s=10.0) == pytest.approx(6 / 20)
+    assert trace_stats(trace).rate_per_s == pytest.approx(5 / 39)
+    # scaling the trace scales the busy rate too (windows are on the scaled clock)
+    assert busy_rate_per_s(shape_trace(trace, rate_scale=2.0), window_s=5.0) == pytest.approx(6 / 10)
+    assert busy_rate_per_s([], window_s=10.0) == 0.0
+    with pytest.raises(TraceError):
+        busy_rate_per_s(trace, window_s=0)
 
 
 def test_tier_mix_is_exact_and_deterministic():

@@ -25,11 +25,13 @@ simulated GPU.
 Worker-seconds are counted over the replay (from its first arrival to its end) from the gateway's ``/status``: every
 second a local worker process exists, starting and draining included.
 
+The two fleets run ``--repeats`` times, alternating (about 9 minutes a repeat); the checks compare medians.
+
 Writes ``bench/results/autoscale.json`` (``autoscale_mean_rate.json`` with ``--load mean``): per run the per-tier
 summary (SLO attainment, TTFT percentiles, rejections), worker-seconds, scale events and cold starts; and the checks
-of issue 7 (attainment per tier no worse than the fixed fleet's, worker-seconds ≤ 60% of it).
+of issue 7 (attainment per tier no worse than the fixed fleet's, worker-seconds ≤ 60% of it), on the medians.
 
-    .venv/bin/python -m bench.autoscale_bench [--load busy|mean] [--requests 1200] [--time-scale 4]
+    .venv/bin/python -m bench.autoscale_bench [--load busy|mean] [--repeats 3] [--requests 1200] [--time-scale 4]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,14 +62,20 @@ from bench.replay_bench import SLO_TTFT_S, TIER_MIX, capacity_per_worker  # noqa
 from bench.replay_bench import bench_config as replay_bench_config  # noqa: E402
 
 # the autoscaler's windows in the bench, wall seconds: low use this long stops a worker; arrivals over this long
-# are the offered load (a sim worker's cold start here is about 0.3 s wall, so a short window costs little)
-SCALE_DOWN_AFTER_S = 1.5
+# are the offered load (a sim worker's cold start here is about 0.3 s wall, so a short window costs little).
+# Measured on --load busy, autoscaled leg alone (worker-seconds ÷ the fixed fleet's 1066; free / standard
+# attainment, vip 100% in all): scale-down 1.5 s and target wait 0.5 s: 0.46, 52.5% / 84.9%; 4 s and 0.25 s:
+# 0.54, 57.5% / 86.8%; 4 s and 0.1 s: 0.56, 59.2% / 88.2%; 6 s and 0.1 s: 0.60, 58.3% / 88.3%. Fixed fleet:
+# 59.6% / 88.6% and 60.4% / 90.0% in two runs. The misses are all in the one burst that overloads 4 workers
+# 2–3× (seconds 80–110 of the replay), whichever the fleet; scaling from zero into it starts it
+# about a cold start behind. (--load mean ran with 1.5 s and 0.5 s, where the worker-seconds were the limit.)
+SCALE_DOWN_AFTER_S = 4.0
 # the cold-start estimate before one is measured, wall seconds: what this bench's sim workers take (0.2–1 s
 # measured, mean 0.45 s), rounded up; the default (30 s, a GPU worker loading its model) would predict that the
 # first requests of a pool at zero miss their deadlines and reject them at once
 INITIAL_COLD_START_S = 1.0
 # the pool's target queue wait before time scaling, seconds (the lowest tier's predicted wait is compared with it)
-TARGET_QUEUE_WAIT_S = 0.5
+TARGET_QUEUE_WAIT_S = 0.1
 DEMAND_WINDOW_S = 4.0
 START_TIMEOUT_S = 300.0
 MAX_WORKERS = 4
@@ -191,6 +200,34 @@ def run_one(name: str, autoscale: bool, requests, time_scale: float, slo: dict[s
     }
 
 
+def compare(pairs: list[list[dict]]) -> dict:
+    """Return issue 7's checks over repeated side-by-side runs ``[[autoscaled, fixed], ...]`` (``run_one``'s dicts).
+
+    Per repeat, the autoscaled fleet's worker-seconds ÷ the fixed fleet's and each tier's SLO attainment; the checks
+    compare the medians over the repeats (one run's attainment moves by a point or two between runs of the same
+    fleet here), and every repeat's values are listed beside them.
+    """
+    ratios = [auto["worker_seconds"] / fixed["worker_seconds"] for auto, fixed in pairs if fixed["worker_seconds"]]
+    fixed_busy = [fixed["busy_worker_seconds"] / fixed["worker_seconds"] for _, fixed in pairs
+                  if fixed["worker_seconds"]]
+    checks: dict = {"repeats": len(pairs), "worker_seconds_ratio": statistics.median(ratios) if ratios else None,
+                    "worker_seconds_ratio_by_repeat": ratios,
+                    "fixed_busy_share_of_worker_seconds": statistics.median(fixed_busy) if fixed_busy else None}
+    checks["worker_seconds_le_60pct"] = checks["worker_seconds_ratio"] is not None and \
+        checks["worker_seconds_ratio"] <= 0.6
+    for tier in sorted(SLO_TTFT_S):
+        by_fleet = {}
+        for index, fleet in enumerate(("autoscale", "fixed")):
+            values = [pair[index]["summary"]["tiers"].get(tier, {}).get("slo_attainment") for pair in pairs]
+            values = [v for v in values if v is not None]
+            by_fleet[fleet] = statistics.median(values) if values else None
+            checks[f"{tier}_attainment_{fleet}"] = by_fleet[fleet]
+            checks[f"{tier}_attainment_{fleet}_by_repeat"] = values
+        checks[f"{tier}_no_worse"] = (by_fleet["autoscale"] is not None and by_fleet["fixed"] is not None
+                                      and by_fleet["autoscale"] >= by_fleet["fixed"])
+    return checks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1200)
@@ -198,6 +235,8 @@ def main() -> int:
     parser.add_argument("--multiple", type=float, default=2.0, help="offered load ÷ capacity of 2 sim workers")
     parser.add_argument("--load", choices=("busy", "mean"), default="busy",
                         help="which rate of the trace is set to --multiple × the capacity: while busy, or the mean")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="side-by-side runs of the two fleets; the checks compare medians")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--scale-down-after-s", type=float, default=SCALE_DOWN_AFTER_S)
     parser.add_argument("--demand-window-s", type=float, default=DEMAND_WINDOW_S)
@@ -221,28 +260,22 @@ def main() -> int:
     started = time.time()
     windows = dict(scale_down_after_s=args.scale_down_after_s, demand_window_s=args.demand_window_s,
                    target_queue_wait_s=args.target_queue_wait_s)
-    runs = [run_one("autoscale_0_4", True, requests, time_scale, slo, builder, out_dir, stem, **windows),
-            run_one("fixed_4", False, requests, time_scale, slo, builder, out_dir, stem, **windows)]
-    auto, fixed = runs
-    checks = {"worker_seconds_ratio": auto["worker_seconds"] / fixed["worker_seconds"]
-              if fixed["worker_seconds"] else None,
-              "fixed_busy_share_of_worker_seconds": fixed["busy_worker_seconds"] / fixed["worker_seconds"]
-              if fixed["worker_seconds"] else None}
-    checks["worker_seconds_le_60pct"] = checks["worker_seconds_ratio"] is not None and \
-        checks["worker_seconds_ratio"] <= 0.6
-    for tier in sorted(SLO_TTFT_S):
-        a = auto["summary"]["tiers"].get(tier, {}).get("slo_attainment")
-        f = fixed["summary"]["tiers"].get(tier, {}).get("slo_attainment")
-        checks[f"{tier}_attainment_autoscale"] = a
-        checks[f"{tier}_attainment_fixed"] = f
-        checks[f"{tier}_no_worse"] = a is not None and f is not None and a >= f
+    runs, pairs = [], []
+    for repeat in range(args.repeats):  # the two fleets alternate, so a drift of this machine hits both
+        suffix = f"_r{repeat}" if args.repeats > 1 else ""
+        pair = [run_one(f"autoscale_0_4{suffix}", True, requests, time_scale, slo, builder, out_dir, stem,
+                        **windows),
+                run_one(f"fixed_4{suffix}", False, requests, time_scale, slo, builder, out_dir, stem, **windows)]
+        runs.extend(pair)
+        pairs.append(pair)
+    checks = compare(pairs)
     print("\nchecks:", json.dumps(checks, indent=1))
     result = {"trace": "azure-code", "requests": len(requests), "time_scale": time_scale, "multiple": args.multiple,
               "load": args.load, "busy_window_s": BUSY_WINDOW_S if args.load == "busy" else None,
               "busy_rate_per_s": busy_rate_per_s(requests, BUSY_WINDOW_S / rate_scale),
               "slo_ttft_s_scaled": slo, "tier_mix": TIER_MIX, "capacity_per_worker_per_s": mu,
               "capacity_2_workers_per_s": capacity, "rate_scale": rate_scale, "offered_rate_per_s": stats.rate_per_s,
-              "autoscale_windows_s": windows,
+              "autoscale_windows_s": windows, "repeats": args.repeats,
               "bench_wall_s": time.time() - started, "runs": runs, "checks": checks}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))

@@ -10,7 +10,11 @@ the partial last blocks left out):
 2. **Miss breakdown** of ``lru`` and ``chain``: each reference to a block seen before, hit or miss, by the kind of
    chain that last used the block (``fresh``: the request's prompt shared no earlier block; ``returning``: it
    did) and the idle time since that use.
-3. **Is a fresh conversation's return predictable?** The share of fresh conversations that come back, by what a
+3. **Class × idle-age ceiling**: the most hits *any* policy can get that ranks blocks by what a worker knows when it
+   releases them (a class made of the features named) and their idle time, with each class's keep time chosen in
+   hindsight (:func:`class_age_ceiling`). If the ceiling of a feature set is below the target, no policy built on
+   those features reaches it.
+4. **Is a fresh conversation's return predictable?** The share of fresh conversations that come back, by what a
    worker knows when it releases the chain: prompt length, output length, time of day in the trace. A feature
    that separates returners would let a policy keep only them.
 
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
+import math
 import sys
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -45,6 +51,10 @@ from worker.kv_cache.cachesim import (  # noqa: E402
 from worker.kv_cache.eviction import BlockMeta, EvictionPolicy, make_policy  # noqa: E402
 
 FRACTIONS = (0.05, 0.1)
+# feature sets of the ceiling: none (one class: a keep time for all, ~LRU), turn (chain's returning-or-not), chain's
+# classes (turn × growth), then what else a worker knows at release
+CEILING_FEATURES = ((), ("turn",), ("turn", "growth"), ("turn", "growth", "uses", "length"),
+                    ("turn", "growth", "uses", "length", "pace"))
 IDLE_BUCKETS_S = (60, 120, 240, 480, 960)
 
 
@@ -131,6 +141,100 @@ def _bucket_order(label: str) -> int:
     return next((i for i, bound in enumerate(IDLE_BUCKETS_S) if label == f"<={bound}"), len(IDLE_BUCKETS_S))
 
 
+def _log2_bucket(value: float) -> int:
+    return min(int(math.log2(max(value, 1.0))), 7)
+
+
+def block_class(features: Sequence[str], turn: int, num_new_blocks: int, num_uses: int, num_blocks: int,
+                pace_s: float | None) -> tuple:
+    """Return the class of a released block from the named features (see :func:`class_age_ceiling`)."""
+    values = {"turn": lambda: min(turn, 3), "growth": lambda: _log2_bucket(num_new_blocks),
+              "uses": lambda: min(num_uses, 4), "length": lambda: _log2_bucket(num_blocks),
+              "pace": lambda: -1 if pace_s is None else min(int(math.log2(pace_s / 15.0 + 1.0)), 6)}
+    return tuple(values[feature]() for feature in features)
+
+
+def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, features: Sequence[str]) -> dict:
+    """Upper bound on the hits of a policy that knows a released block's class and idle time, nothing more.
+
+    Each time a block is released (its request's time; requests are instantaneous, as in the simulator) it starts
+    an idle interval that ends at its next reference (gap ``g``) or at the end of the trace (never referenced
+    again). A policy that knows only the block's class ``c`` and its idle time can do no more than keep it for
+    some time ``T`` chosen by class (or a mix of such times): the reference is a hit if ``g ≤ T``, and the block
+    takes ``min(g, T)`` of cache time. The ceiling relaxes the pool size to a time average (total cache time ≤
+    ``capacity_blocks`` × the trace span) and picks every class's ``T`` in hindsight (Lagrangian over the concave
+    hull of each class's hits-vs-cache-time curve), so it bounds such policies from above; it ignores the blocks
+    of running requests and the prefix rule (a block hit after its parent missed), both of which only lower a
+    real policy's hits. A policy that changes its keep times with the load over the trace is not bounded by it:
+    it trades cache time between periods, which the time average allows but a full pool does not, so the
+    bound is loose for it in the other direction only when load shifts.
+
+    Features of the class, each known when a request releases its blocks:
+        ``turn``: earlier requests that used the request's deepest already-seen block (0 = a fresh conversation),
+        capped at 3; ``growth``: log2 bucket of its blocks not seen before; ``uses``: this block's uses, capped
+        at 4; ``length``: log2 bucket of the request's full blocks; ``pace``: log2 bucket of the gap (s) that this
+        block's previous idle interval had (-1 for a new block): a conversation's own turn rhythm.
+
+    Returns:
+        ``{"features", "num_classes", "hits", "reuse_refs", "fraction_of_reuses"}``; ``reuse_refs`` (references to
+        a block seen before) is what Belady with bypass reaches when capacity allows, and is the denominator.
+    """
+    last_use: dict[int, tuple[float, tuple]] = {}
+    num_uses: Counter[int] = Counter()
+    pace: dict[int, float] = {}
+    gaps: dict[tuple, list[float]] = defaultdict(list)
+    for request in requests:
+        hashes = request.block_hashes
+        num_known = next((i for i, block_hash in enumerate(hashes) if block_hash not in num_uses), len(hashes))
+        turn = max((num_uses[block_hash] for block_hash in hashes[:num_known]), default=0)
+        for block_hash in hashes:
+            if block_hash in last_use:
+                released_s, released_class = last_use[block_hash]
+                gaps[released_class].append(request.arrival_s - released_s)
+                pace[block_hash] = request.arrival_s - released_s
+        for block_hash in hashes:
+            num_uses[block_hash] += 1
+            released_class = block_class(features, turn, len(hashes) - num_known, num_uses[block_hash], len(hashes),
+                                         pace.get(block_hash))
+            last_use[block_hash] = (request.arrival_s, released_class)
+    end_s = requests[-1].arrival_s if requests else 0.0
+    span_s = end_s - (requests[0].arrival_s if requests else 0.0)
+    censored: dict[tuple, list[float]] = defaultdict(list)  # idle intervals cut by the end of the trace
+    for released_s, released_class in last_use.values():
+        censored[released_class].append(end_s - released_s)
+    curves = []  # per class: (cache time, hits) at each candidate keep time
+    for released_class in set(gaps) | set(censored):
+        reused, cut = sorted(gaps[released_class]), sorted(censored[released_class])
+        reused_sums = list(itertools.accumulate(reused, initial=0.0))
+        cut_sums = list(itertools.accumulate(cut, initial=0.0))
+        points = []
+        for keep_s in [0.0, *reused]:
+            k, j = bisect.bisect_right(reused, keep_s), bisect.bisect_right(cut, keep_s)
+            cache_s = reused_sums[k] + keep_s * (len(reused) - k) + cut_sums[j] + keep_s * (len(cut) - j)
+            points.append((cache_s, k))
+        curves.append(points)
+
+    def best(price: float) -> tuple[float, int]:
+        chosen = [max(points, key=lambda p: p[1] - price * p[0]) for points in curves]
+        return sum(p[0] for p in chosen), sum(p[1] for p in chosen)
+
+    budget_s = capacity_blocks * span_s
+    low, high = 1e-12, 1e3  # price of a block-second: bisect for the cheapest that fits the budget
+    for _ in range(80):
+        middle = math.sqrt(low * high)
+        if best(middle)[0] > budget_s:
+            low = middle
+        else:
+            high = middle
+    (fits_s, fits_hits), (over_s, over_hits) = best(high), best(low)
+    hits = float(fits_hits)
+    if over_s > budget_s > fits_s:  # the budget falls inside a hull segment: mix its two ends
+        hits += (over_hits - fits_hits) * (budget_s - fits_s) / (over_s - fits_s)
+    reuse_refs = sum(len(g) for g in gaps.values())
+    return {"features": list(features), "num_classes": len(curves), "hits": hits, "reuse_refs": reuse_refs,
+            "fraction_of_reuses": hits / reuse_refs if reuse_refs else 0.0}
+
+
 def fresh_return_by_feature(trace_path: Path, block_size_tokens: int = 512) -> dict:
     """Return, per feature bucket, how many fresh conversations there were and the share that came back.
 
@@ -210,13 +314,18 @@ def main() -> int:
         print(f"10% {result['policy']}: {result['hits']} hits, {result['misses']} misses of blocks seen before")
         for row in result["by_kind_and_idle"]:
             print(f"    {row['last_use_by']:>9} idle {row['idle_s']:>6} s: {row['hits']:6d} hits {row['misses']:6d} misses")
+    ceilings = [class_age_ceiling(requests, capacity_10, features) for features in CEILING_FEATURES]
+    for ceiling in ceilings:
+        print(f"10% ceiling, class = {'+'.join(ceiling['features']) or 'none'} ({ceiling['num_classes']} classes): "
+              f"{ceiling['hits']:.0f} hits, {ceiling['fraction_of_reuses']:.1%} of Belady")
     features = fresh_return_by_feature(Path(args.trace))
     for feature, table in features.items():
         print(f"fresh conversations that return, by {feature}: " + ", ".join(
             f"{bucket} {cell['returned_fraction']:.0%} (n={cell['fresh']})" for bucket, cell in table.items()))
     report = {"trace": Path(args.trace).name, **stats, "runs": runs,
               "target_hits_at_10pct": 0.85 * runs[-1]["belady"] * stats["num_block_refs"],
-              "miss_breakdown_10pct": breakdown, "fresh_return_by_feature": features,
+              "miss_breakdown_10pct": breakdown, "class_age_ceiling_10pct": ceilings,
+              "fresh_return_by_feature": features,
               "elapsed_s": round(time.perf_counter() - started_s, 1)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.cachesim_headroom import ReuseOraclePolicy, block_uses_s, idle_bucket
+import pytest
+
+from bench.cachesim_headroom import ReuseOraclePolicy, block_uses_s, class_age_ceiling, idle_bucket
 from worker.kv_cache.cachesim import TraceRequest, simulate_belady, simulate_policy
 from worker.kv_cache.eviction import BlockMeta
 
@@ -28,3 +30,20 @@ def test_reuse_oracle_reaches_belady_on_a_small_trace():
 
 def test_idle_buckets_are_labelled_by_their_upper_bound():
     assert [idle_bucket(s) for s in (0.0, 60.0, 61.0, 960.0, 961.0)] == ["<=60", "<=60", "<=120", "<=960", ">960"]
+
+
+def test_class_age_ceiling_is_the_best_keep_time_per_class_under_the_time_averaged_pool():
+    # block 1 comes back after 10 s, block 2 after 20 s, block 9 never; span 30 s. Idle intervals: reused gaps
+    # [10, 20]; cut by the end [20 (1 after t=10), 10 (2 after t=20), 0 (9)]. One class: keep 10 s → 1 hit for
+    # 10 + 10 + 10 + 10 = 40 block-s; keep 20 s → 2 hits for 10 + 20 + 20 + 10 = 60 block-s
+    requests = [TraceRequest(0.0, (1,), False), TraceRequest(0.0, (2,), False), TraceRequest(10.0, (1,), False),
+                TraceRequest(20.0, (2,), False), TraceRequest(30.0, (9,), False)]
+    assert class_age_ceiling(requests, 2, ())["hits"] == pytest.approx(2.0)  # 60 block-s: both
+    # 30 block-s: "keep 20 s" half the time beats "keep 10 s" (1 hit for 40 block-s is under the hull of
+    # (0, 0)–(60, 2)): 1 hit
+    one = class_age_ceiling(requests, 1, ())
+    assert one["hits"] == pytest.approx(1.0)
+    assert one["reuse_refs"] == 2 and one["num_classes"] == 1 and one["fraction_of_reuses"] == pytest.approx(0.5)
+    # by use count the first releases (use 1: gaps [10, 20], block 9 cut at 0) and the later ones (use 2: cut
+    # at 20 and 10, never reused) differ: keep use-1 blocks 20 s (10 + 20 + 0 block-s), drop use-2 ones at once
+    assert class_age_ceiling(requests, 1, ("uses",))["hits"] == pytest.approx(2.0)

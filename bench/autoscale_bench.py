@@ -243,6 +243,8 @@ def main() -> int:
     parser.add_argument("--target-queue-wait-s", type=float, default=TARGET_QUEUE_WAIT_S,
                         help="the pool's target queue wait before time scaling, seconds")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be ≥ 1")
     out_dir = Path(args.out_dir)
     time_scale = args.time_scale
     slo = {tier: s * time_scale for tier, s in SLO_TTFT_S.items()}

@@ -13,7 +13,8 @@ the partial last blocks left out):
 3. **Class × idle-age ceiling**: the most hits *any* policy can get that ranks blocks by what a worker knows when it
    releases them (a class made of the features named) and their idle time, with each class's keep time chosen in
    hindsight (:func:`class_age_ceiling`). If the ceiling of a feature set is below the target, no policy built on
-   those features reaches it.
+   those features reaches it. The ceiling's keep times are also played in the real pool (:func:`replay_ceiling`):
+   how much of it survives a pool that is full at every instant.
 4. **Is a fresh conversation's return predictable?** The share of fresh conversations that come back, by what a
    worker knows when it releases the chain: prompt length, output length, time of day in the trace. A feature
    that separates returners would let a policy keep only them.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import heapq
 import itertools
 import json
 import math
@@ -154,6 +156,42 @@ def block_class(features: Sequence[str], turn: int, num_new_blocks: int, num_use
     return tuple(values[feature]() for feature in features)
 
 
+def release_classes(requests: Sequence[TraceRequest], features: Sequence[str]) -> tuple[dict, dict, dict, float]:
+    """Classify every block release of a trace (see :func:`class_age_ceiling` for the features).
+
+    Returns:
+        ``(class_at, gaps_s, censored_s, span_s)``: class of each release keyed by ``(block hash, release time
+        s)``; per class, the idle times (s) that ended in a reuse, and those cut by the end of the trace; the
+        trace's span (s).
+    """
+    last_use: dict[int, tuple[float, tuple]] = {}
+    num_uses: Counter[int] = Counter()
+    pace: dict[int, float] = {}
+    gaps: dict[tuple, list[float]] = defaultdict(list)
+    class_at: dict[tuple[int, float], tuple] = {}
+    for request in requests:
+        hashes = request.block_hashes
+        num_known = next((i for i, block_hash in enumerate(hashes) if block_hash not in num_uses), len(hashes))
+        turn = max((num_uses[block_hash] for block_hash in hashes[:num_known]), default=0)
+        for block_hash in hashes:
+            if block_hash in last_use:
+                released_s, released_class = last_use[block_hash]
+                gaps[released_class].append(request.arrival_s - released_s)
+                pace[block_hash] = request.arrival_s - released_s
+        for block_hash in hashes:
+            num_uses[block_hash] += 1
+            released_class = block_class(features, turn, len(hashes) - num_known, num_uses[block_hash], len(hashes),
+                                         pace.get(block_hash))
+            last_use[block_hash] = (request.arrival_s, released_class)
+            class_at[(block_hash, request.arrival_s)] = released_class
+    end_s = requests[-1].arrival_s if requests else 0.0
+    span_s = end_s - (requests[0].arrival_s if requests else 0.0)
+    censored: dict[tuple, list[float]] = defaultdict(list)  # idle intervals cut by the end of the trace
+    for released_s, released_class in last_use.values():
+        censored[released_class].append(end_s - released_s)
+    return class_at, gaps, censored, span_s
+
+
 def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, features: Sequence[str]) -> dict:
     """Upper bound on the hits of a policy that knows a released block's class and idle time, nothing more.
 
@@ -176,33 +214,13 @@ def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, fe
         block's previous idle interval had (-1 for a new block): a conversation's own turn rhythm.
 
     Returns:
-        ``{"features", "num_classes", "hits", "reuse_refs", "fraction_of_reuses"}``; ``reuse_refs`` (references to
-        a block seen before) is what Belady with bypass reaches when capacity allows, and is the denominator.
+        ``{"features", "num_classes", "hits", "reuse_refs", "fraction_of_reuses", "keep_s_by_class"}``;
+        ``reuse_refs`` (references to a block seen before) is what Belady with bypass reaches when capacity allows,
+        and is the denominator; ``keep_s_by_class``: the hindsight keep time (s) of each class at the price that fits
+        (the cheaper end of the mixed hull segment).
     """
-    last_use: dict[int, tuple[float, tuple]] = {}
-    num_uses: Counter[int] = Counter()
-    pace: dict[int, float] = {}
-    gaps: dict[tuple, list[float]] = defaultdict(list)
-    for request in requests:
-        hashes = request.block_hashes
-        num_known = next((i for i, block_hash in enumerate(hashes) if block_hash not in num_uses), len(hashes))
-        turn = max((num_uses[block_hash] for block_hash in hashes[:num_known]), default=0)
-        for block_hash in hashes:
-            if block_hash in last_use:
-                released_s, released_class = last_use[block_hash]
-                gaps[released_class].append(request.arrival_s - released_s)
-                pace[block_hash] = request.arrival_s - released_s
-        for block_hash in hashes:
-            num_uses[block_hash] += 1
-            released_class = block_class(features, turn, len(hashes) - num_known, num_uses[block_hash], len(hashes),
-                                         pace.get(block_hash))
-            last_use[block_hash] = (request.arrival_s, released_class)
-    end_s = requests[-1].arrival_s if requests else 0.0
-    span_s = end_s - (requests[0].arrival_s if requests else 0.0)
-    censored: dict[tuple, list[float]] = defaultdict(list)  # idle intervals cut by the end of the trace
-    for released_s, released_class in last_use.values():
-        censored[released_class].append(end_s - released_s)
-    curves = []  # per class: (cache time, hits) at each candidate keep time
+    _, gaps, censored, span_s = release_classes(requests, features)
+    curves = {}  # per class: (cache time, hits, keep time) at each candidate keep time
     for released_class in set(gaps) | set(censored):
         reused, cut = sorted(gaps[released_class]), sorted(censored[released_class])
         reused_sums = list(itertools.accumulate(reused, initial=0.0))
@@ -211,11 +229,14 @@ def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, fe
         for keep_s in [0.0, *reused]:
             k, j = bisect.bisect_right(reused, keep_s), bisect.bisect_right(cut, keep_s)
             cache_s = reused_sums[k] + keep_s * (len(reused) - k) + cut_sums[j] + keep_s * (len(cut) - j)
-            points.append((cache_s, k))
-        curves.append(points)
+            points.append((cache_s, k, keep_s))
+        curves[released_class] = points
+
+    def choose(price: float) -> dict[tuple, tuple[float, int, float]]:
+        return {c: max(points, key=lambda p: p[1] - price * p[0]) for c, points in curves.items()}
 
     def best(price: float) -> tuple[float, int]:
-        chosen = [max(points, key=lambda p: p[1] - price * p[0]) for points in curves]
+        chosen = choose(price).values()
         return sum(p[0] for p in chosen), sum(p[1] for p in chosen)
 
     budget_s = capacity_blocks * span_s
@@ -232,7 +253,60 @@ def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, fe
         hits += (over_hits - fits_hits) * (budget_s - fits_s) / (over_s - fits_s)
     reuse_refs = sum(len(g) for g in gaps.values())
     return {"features": list(features), "num_classes": len(curves), "hits": hits, "reuse_refs": reuse_refs,
-            "fraction_of_reuses": hits / reuse_refs if reuse_refs else 0.0}
+            "fraction_of_reuses": hits / reuse_refs if reuse_refs else 0.0,
+            "keep_s_by_class": {c: point[2] for c, point in choose(high).items()}}
+
+
+class KeepTimePolicy(EvictionPolicy):
+    """Give each released block a keep time by its class; evict the block whose keep time ends first (the tail of
+    a chain first on a tie). With the ceiling's hindsight keep times this is the ceiling played in a real pool.
+
+    Args:
+        class_at: class of each release, keyed by ``(block hash, release time s)`` (:func:`release_classes`).
+        keep_s_by_class: keep time (s) per class; a release of an unknown class is kept 0 s.
+    """
+
+    name = "keep_time"
+
+    def __init__(self, class_at: dict[tuple[int, float], tuple], keep_s_by_class: dict[tuple, float]) -> None:
+        self._class_at = class_at
+        self._keep_s_by_class = keep_s_by_class
+        self._heap: list[tuple[float, int, int]] = []
+        self._keys: dict[int, tuple[float, int, int]] = {}
+
+    def insert(self, block_id: int, meta: BlockMeta, now_s: float) -> None:
+        keep_s = self._keep_s_by_class.get(self._class_at.get((meta.block_hash, now_s)), 0.0)
+        key = (now_s + keep_s, -meta.block_idx, block_id)
+        self._keys[block_id] = key
+        heapq.heappush(self._heap, key)
+
+    def remove(self, block_id: int) -> None:
+        del self._keys[block_id]
+
+    def pop_victim(self, now_s: float) -> int | None:
+        while self._heap:
+            key = heapq.heappop(self._heap)
+            if self._keys.get(key[2]) == key:  # else removed or re-inserted since: a stale entry
+                del self._keys[key[2]]
+                return key[2]
+        return None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._keys
+
+
+def replay_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, features: Sequence[str]) -> float:
+    """Return the hit rate of :class:`KeepTimePolicy` with the ceiling's hindsight keep times, in the real pool.
+
+    The ceiling lets the pool size average over time; a real pool is full at every instant, and a chain's head can
+    go before its tail. The replay measures how much of the ceiling survives that.
+    """
+    class_at = release_classes(requests, features)[0]
+    keep_s = class_age_ceiling(requests, capacity_blocks, features)["keep_s_by_class"]
+    return simulate_policy(requests, capacity_blocks, KeepTimePolicy(class_at, keep_s)).hit_rate
 
 
 def fresh_return_by_feature(trace_path: Path, block_size_tokens: int = 512) -> dict:
@@ -314,10 +388,16 @@ def main() -> int:
         print(f"10% {result['policy']}: {result['hits']} hits, {result['misses']} misses of blocks seen before")
         for row in result["by_kind_and_idle"]:
             print(f"    {row['last_use_by']:>9} idle {row['idle_s']:>6} s: {row['hits']:6d} hits {row['misses']:6d} misses")
-    ceilings = [class_age_ceiling(requests, capacity_10, features) for features in CEILING_FEATURES]
-    for ceiling in ceilings:
+    ceilings = []
+    for features in CEILING_FEATURES:
+        ceiling = class_age_ceiling(requests, capacity_10, features)
+        del ceiling["keep_s_by_class"]  # tuple keys: not JSON
+        ceiling["replayed_hit_rate"] = replay_ceiling(requests, capacity_10, features)
+        ceiling["replayed_fraction_of_belady"] = ceiling["replayed_hit_rate"] / runs[-1]["belady"]
+        ceilings.append(ceiling)
         print(f"10% ceiling, class = {'+'.join(ceiling['features']) or 'none'} ({ceiling['num_classes']} classes): "
-              f"{ceiling['hits']:.0f} hits, {ceiling['fraction_of_reuses']:.1%} of Belady")
+              f"{ceiling['hits']:.0f} hits, {ceiling['fraction_of_reuses']:.1%} of Belady; its keep times played "
+              f"in the real pool: {ceiling['replayed_fraction_of_belady']:.1%}")
     features = fresh_return_by_feature(Path(args.trace))
     for feature, table in features.items():
         print(f"fresh conversations that return, by {feature}: " + ", ".join(

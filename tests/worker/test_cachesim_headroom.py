@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cachesim_headroom import ReuseOraclePolicy, block_uses_s, class_age_ceiling, idle_bucket
+from bench.cachesim_headroom import (
+    KeepTimePolicy,
+    ReuseOraclePolicy,
+    block_uses_s,
+    class_age_ceiling,
+    idle_bucket,
+    release_classes,
+    replay_ceiling,
+)
 from worker.kv_cache.cachesim import TraceRequest, simulate_belady, simulate_policy
 from worker.kv_cache.eviction import BlockMeta
 
@@ -47,3 +55,25 @@ def test_class_age_ceiling_is_the_best_keep_time_per_class_under_the_time_averag
     # by use count the first releases (use 1: gaps [10, 20], block 9 cut at 0) and the later ones (use 2: cut
     # at 20 and 10, never reused) differ: keep use-1 blocks 20 s (10 + 20 + 0 block-s), drop use-2 ones at once
     assert class_age_ceiling(requests, 1, ("uses",))["hits"] == pytest.approx(2.0)
+
+
+def test_keep_time_policy_evicts_the_block_whose_keep_time_ends_first_tail_first_on_a_tie():
+    class_at = {(10, 0.0): ("a",), (11, 0.0): ("a",), (12, 1.0): ("b",)}
+    policy = KeepTimePolicy(class_at, {("a",): 5.0, ("b",): 2.0})
+    policy.insert(0, BlockMeta(block_hash=10, block_idx=0), 0.0)  # ends at 5
+    policy.insert(1, BlockMeta(block_hash=11, block_idx=1), 0.0)  # ends at 5, the chain's tail
+    policy.insert(2, BlockMeta(block_hash=12, block_idx=0), 1.0)  # ends at 3
+    policy.insert(3, BlockMeta(block_hash=99, block_idx=0), 2.0)  # unknown class: kept 0 s, ends at 2
+    policy.remove(2)
+    assert len(policy) == 3 and 2 not in policy and 3 in policy
+    assert [policy.pop_victim(4.0) for _ in range(4)] == [3, 1, 0, None]
+
+
+def test_the_ceiling_played_in_a_real_pool_gets_its_hits_when_the_pool_holds_the_kept_blocks():
+    # block 1 back after 10 s, block 2 after 20 s; a pool of 2 holds both for their whole gaps: 2 hits of 5 refs
+    requests = [TraceRequest(0.0, (1,), False), TraceRequest(0.0, (2,), False), TraceRequest(10.0, (1,), False),
+                TraceRequest(20.0, (2,), False), TraceRequest(30.0, (9,), False)]
+    class_at = release_classes(requests, ())[0]
+    assert class_at[(1, 0.0)] == () and class_at[(1, 10.0)] == () and len(class_at) == 5
+    assert class_age_ceiling(requests, 2, ())["keep_s_by_class"] == {(): 20.0}
+    assert replay_ceiling(requests, 2, ()) == pytest.approx(2 / 5)

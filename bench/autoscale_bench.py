@@ -56,7 +56,14 @@ sys.path.insert(0, str(REPO))
 from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from loadtest.replay import ReplayOptions, run_replay  # noqa: E402
 from loadtest.summary import format_table, summarize  # noqa: E402
-from loadtest.traces import assign_tiers, busy_rate_per_s, load_trace, parse_mix, shape_trace, trace_stats  # noqa: E402
+from loadtest.traces import (  # noqa: E402
+    assign_tiers,
+    busy_rate_per_s,
+    load_trace,
+    parse_mix,
+    shape_trace,
+    trace_stats,
+)
 
 from bench.replay_bench import SLO_TTFT_S, TIER_MIX, capacity_per_worker  # noqa: E402
 from bench.replay_bench import bench_config as replay_bench_config  # noqa: E402

@@ -150,10 +150,10 @@ def _log2_bucket(value: float) -> int:
 def block_class(features: Sequence[str], turn: int, num_new_blocks: int, num_uses: int, num_blocks: int,
                 pace_s: float | None) -> tuple:
     """Return the class of a released block from the named features (see :func:`class_age_ceiling`)."""
-    values = {"turn": lambda: min(turn, 3), "growth": lambda: _log2_bucket(num_new_blocks),
-              "uses": lambda: min(num_uses, 4), "length": lambda: _log2_bucket(num_blocks),
-              "pace": lambda: -1 if pace_s is None else min(int(math.log2(pace_s / 15.0 + 1.0)), 6)}
-    return tuple(values[feature]() for feature in features)
+    values = {"turn": min(turn, 3), "growth": _log2_bucket(num_new_blocks), "uses": min(num_uses, 4),
+              "length": _log2_bucket(num_blocks),
+              "pace": -1 if pace_s is None else min(int(math.log2(pace_s / 15.0 + 1.0)), 6)}
+    return tuple(values[feature] for feature in features)
 
 
 def release_classes(requests: Sequence[TraceRequest], features: Sequence[str]) -> tuple[dict, dict, dict, float]:
@@ -203,9 +203,8 @@ def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, fe
     ``capacity_blocks`` × the trace span) and picks every class's ``T`` in hindsight (Lagrangian over the concave
     hull of each class's hits-vs-cache-time curve), so it bounds such policies from above; it ignores the blocks
     of running requests and the prefix rule (a block hit after its parent missed), both of which only lower a
-    real policy's hits. A policy that changes its keep times with the load over the trace is not bounded by it:
-    it trades cache time between periods, which the time average allows but a full pool does not, so the
-    bound is loose for it in the other direction only when load shifts.
+    real policy's hits. It does not bound a policy that changes its keep times with the load over the trace
+    (:func:`replay_ceiling` measures what the keep times give in a pool that is full at every instant).
 
     Features of the class, each known when a request releases its blocks:
         ``turn``: earlier requests that used the request's deepest already-seen block (0 = a fresh conversation),
@@ -214,12 +213,13 @@ def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, fe
         block's previous idle interval had (-1 for a new block): a conversation's own turn rhythm.
 
     Returns:
-        ``{"features", "num_classes", "hits", "reuse_refs", "fraction_of_reuses", "keep_s_by_class"}``;
-        ``reuse_refs`` (references to a block seen before) is what Belady with bypass reaches when capacity allows,
-        and is the denominator; ``keep_s_by_class``: the hindsight keep time (s) of each class at the price that fits
-        (the cheaper end of the mixed hull segment).
+        ``{"features", "num_classes", "hits", "reuse_refs", "fraction_of_reuses", "keep_s_by_class",
+        "class_at"}``; ``reuse_refs`` (references to a block seen before) is what Belady with bypass reaches when
+        capacity allows, and is the denominator; ``keep_s_by_class``: the hindsight keep time (s) of each class at
+        the price that fits (the cheaper end of the mixed hull segment); ``class_at``: :func:`release_classes`'s
+        class of each release. The last two have tuple keys (not JSON).
     """
-    _, gaps, censored, span_s = release_classes(requests, features)
+    class_at, gaps, censored, span_s = release_classes(requests, features)
     curves = {}  # per class: (cache time, hits, keep time) at each candidate keep time
     for released_class in set(gaps) | set(censored):
         reused, cut = sorted(gaps[released_class]), sorted(censored[released_class])
@@ -254,7 +254,7 @@ def class_age_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, fe
     reuse_refs = sum(len(g) for g in gaps.values())
     return {"features": list(features), "num_classes": len(curves), "hits": hits, "reuse_refs": reuse_refs,
             "fraction_of_reuses": hits / reuse_refs if reuse_refs else 0.0,
-            "keep_s_by_class": {c: point[2] for c, point in choose(high).items()}}
+            "keep_s_by_class": {c: point[2] for c, point in choose(high).items()}, "class_at": class_at}
 
 
 class KeepTimePolicy(EvictionPolicy):
@@ -298,15 +298,17 @@ class KeepTimePolicy(EvictionPolicy):
         return block_id in self._keys
 
 
-def replay_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, features: Sequence[str]) -> float:
-    """Return the hit rate of :class:`KeepTimePolicy` with the ceiling's hindsight keep times, in the real pool.
+def replay_ceiling(requests: Sequence[TraceRequest], capacity_blocks: int, ceiling: dict) -> float:
+    """Return the hit rate of :class:`KeepTimePolicy` with a ceiling's hindsight keep times, in the real pool.
 
     The ceiling lets the pool size average over time; a real pool is full at every instant, and a chain's head can
     go before its tail. The replay measures how much of the ceiling survives that.
+
+    Args:
+        ceiling: :func:`class_age_ceiling` of the same requests and capacity.
     """
-    class_at = release_classes(requests, features)[0]
-    keep_s = class_age_ceiling(requests, capacity_blocks, features)["keep_s_by_class"]
-    return simulate_policy(requests, capacity_blocks, KeepTimePolicy(class_at, keep_s)).hit_rate
+    policy = KeepTimePolicy(ceiling["class_at"], ceiling["keep_s_by_class"])
+    return simulate_policy(requests, capacity_blocks, policy).hit_rate
 
 
 def fresh_return_by_feature(trace_path: Path, block_size_tokens: int = 512) -> dict:
@@ -391,8 +393,8 @@ def main() -> int:
     ceilings = []
     for features in CEILING_FEATURES:
         ceiling = class_age_ceiling(requests, capacity_10, features)
-        del ceiling["keep_s_by_class"]  # tuple keys: not JSON
-        ceiling["replayed_hit_rate"] = replay_ceiling(requests, capacity_10, features)
+        ceiling["replayed_hit_rate"] = replay_ceiling(requests, capacity_10, ceiling)
+        del ceiling["keep_s_by_class"], ceiling["class_at"]  # tuple keys: not JSON
         ceiling["replayed_fraction_of_belady"] = ceiling["replayed_hit_rate"] / runs[-1]["belady"]
         ceilings.append(ceiling)
         print(f"10% ceiling, class = {'+'.join(ceiling['features']) or 'none'} ({ceiling['num_classes']} classes): "

@@ -75,5 +75,6 @@ def test_the_ceiling_played_in_a_real_pool_gets_its_hits_when_the_pool_holds_the
                 TraceRequest(20.0, (2,), False), TraceRequest(30.0, (9,), False)]
     class_at = release_classes(requests, ())[0]
     assert class_at[(1, 0.0)] == () and class_at[(1, 10.0)] == () and len(class_at) == 5
-    assert class_age_ceiling(requests, 2, ())["keep_s_by_class"] == {(): 20.0}
-    assert replay_ceiling(requests, 2, ()) == pytest.approx(2 / 5)
+    ceiling = class_age_ceiling(requests, 2, ())
+    assert ceiling["keep_s_by_class"] == {(): 20.0} and ceiling["class_at"] == class_at
+    assert replay_ceiling(requests, 2, ceiling) == pytest.approx(2 / 5)

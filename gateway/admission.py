@@ -39,9 +39,13 @@ drain rate in tokens/s. The drain rate is measured where it happens: the expecte
 requests were held in the queue for lack of room (a backlog: every dispatch then is the workers' capacity freeing),
 ÷ the serving worker-seconds of those backlogged periods over ``admission.rate_window_s``, × the workers serving
 (and, for an elastic pool, starting) now. That is the queue's service rate under load whatever limits it (prefill
-backlog, sequence slots, KV), as in the M/G/c busy-period throughput. Until some backlog has been seen
-(``MIN_BACKLOG_S``), the workers' decode + prefill rates from their capacity reports stand in; before those, the
-plain dispatch rate. Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished
+backlog, sequence slots, KV), as in the M/G/c busy-period throughput. The room a worker brings when it joins (a
+scale-up: its first prefill backlog and sequence slots fill at once) is not service, so the dispatch pass that
+meets a new serving worker is left out of the measure. A window with too little backlog in it
+(``MIN_BACKLOG_WORKER_S``) keeps the last per-worker rate it measured: that is a property of the workers, and a
+pool that was idle or scaled to zero between two bursts serves the next one at it (the next backlog measures it
+anew). Until some backlog has ever been seen, the workers' decode + prefill rates from their capacity reports stand
+in; before those, the plain dispatch rate. Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished
 requests actually produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of
 them ends, however little work is queued. So while requests are held because sequence slots or KV blocks are
 taken, the prediction is instead the time until a slot frees for the request: list scheduling of the requests
@@ -333,6 +337,8 @@ class AdmissionController:
         # service rate under backlog: (time s, expected work tokens dispatched, serving worker-seconds backlogged)
         self._backlog_log: deque[tuple[float, float, float]] = deque()
         self._backlogged = False  # the last dispatch pass left a request queued for lack of room
+        self._last_backlog_rate_tokens_per_s: float | None = None  # per serving worker, the last one measured
+        self._num_serving_at_last_pass = 0
         self._in_flight: dict[int, Ticket] = {}  # admitted, not yet released, by ticket id
         self._arrival_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per arrival
         self._backlog_mark_s = clock()
@@ -846,19 +852,24 @@ class AdmissionController:
         return serving() + (coming() if starting and coming is not None else 0)
 
     def backlog_rate_tokens_per_s(self) -> float | None:
-        """Return the measured service rate per serving worker under backlog, expected work tokens/s; None until
-        :data:`MIN_BACKLOG_WORKER_S` backlogged worker-seconds fall in the window."""
+        """Return the measured service rate per serving worker under backlog, expected work tokens/s: over the
+        window once :data:`MIN_BACKLOG_WORKER_S` backlogged worker-seconds fall in it, else the last one so
+        measured; None when none ever was."""
         self._account_backlog(self._clock())
         work = sum(sample[1] for sample in self._backlog_log)
         worker_s = sum(sample[2] for sample in self._backlog_log)
-        if worker_s < MIN_BACKLOG_WORKER_S or work <= 0:
-            return None
-        return work / worker_s
+        if worker_s >= MIN_BACKLOG_WORKER_S and work > 0:
+            self._last_backlog_rate_tokens_per_s = work / worker_s
+        return self._last_backlog_rate_tokens_per_s
 
     def _dispatch_once(self) -> None:
         now_s = self._clock()
         self._shed_expired(now_s)
         self._account_backlog(now_s)
+        num_serving = self._num_workers()
+        # a worker that joined since the last pass brings room, not service: this pass fills it uncounted
+        count_service = num_serving <= self._num_serving_at_last_pass
+        self._num_serving_at_last_pass = num_serving
         held_back_tiers: set[str] = set()
         while True:
             candidates = [
@@ -880,7 +891,7 @@ class AdmissionController:
             if reservation is None:
                 self._backlogged = True
                 return  # strict order: nobody jumps ahead of the request that should go next
-            if self._backlogged:
+            if self._backlogged and count_service:
                 self._account_backlog(now_s, best.expected_work_tokens)
             self._grant(best, reservation, now_s)
 

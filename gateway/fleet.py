@@ -37,7 +37,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -60,11 +59,12 @@ from gateway.autoscaler import (
     WorkerView,
 )
 from gateway.caps import OutputCapper
-from gateway.local_workers import STOP_GRACE_S, _die_with_parent
+from gateway.local_workers import STOP_GRACE_S
 from gateway.metrics import Metrics
 from gateway.pressure import PressureLevel, PressureMonitor
 from gateway.ratelimit import RateLimiter, TokenBucketRateLimiter
-from gateway.workers import WorkerClient, WorkerPool
+from gateway.spawn import WorkerProcess, WorkerSpawner, preload_modules
+from gateway.workers import FIRST_CONNECT_INTERVAL_S, WorkerClient, WorkerPool
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import ErrorCode, SluiceError
 
@@ -94,6 +94,7 @@ class ElasticWorkerPool(WorkerPool):
         super().__init__([])
         self.name = name
         self._prospective_kv_blocks = prospective_kv_blocks
+        self._known_rate_per_worker_tokens_per_s = 0.0
 
     def add_client(self, client: WorkerClient) -> None:
         """Serve from ``client`` too (its capacity changes reach admission)."""
@@ -118,19 +119,21 @@ class ElasticWorkerPool(WorkerPool):
         return sum(1 for c in self.clients if c.hello is None and not c.draining)
 
     def drain_rate_tokens_per_s(self) -> float:
-        """See :meth:`WorkerPool.drain_rate_tokens_per_s`, plus the workers still starting, each at the mean
-        measured rate of the serving ones.
+        """See :meth:`WorkerPool.drain_rate_tokens_per_s`, with every serving worker that has measured no rate
+        yet (it just said Hello) and every worker still starting counted at the mean rate of the ones that have;
+        with none that has, at the last such mean (kept through a scale to zero). 0.0 when never measured.
 
         Admission's predicted wait (work ahead ÷ this rate) then counts the capacity a scale-up is bringing, so a
-        burst is not rejected early for a wait the coming workers will cut. The cold start left is not subtracted:
-        it is short next to queue deadlines, and the deadline itself still sheds a request that waits too long.
+        burst is not rejected early, nor the pressure level raised, for a wait the coming workers will cut. The
+        cold start left is not subtracted: it is short next to queue deadlines, and the deadline itself still sheds
+        a request that waits too long.
         """
-        rate = super().drain_rate_tokens_per_s()
-        measured = [c for c in self._serving_clients() if c.capacity is not None]
-        starting = self.num_starting_workers()
-        if rate <= 0 or not measured or not starting:
-            return rate
-        return rate * (len(measured) + starting) / len(measured)
+        serving = self._serving_clients()
+        rates = [rate for c in serving if c.capacity is not None
+                 and (rate := c.capacity.prefill_tokens_per_s + c.capacity.decode_tokens_per_s) > 0]
+        if rates:
+            self._known_rate_per_worker_tokens_per_s = sum(rates) / len(rates)
+        return self._known_rate_per_worker_tokens_per_s * (len(serving) + self.num_starting_workers())
 
     def starting_sequence_slots(self) -> int:
         """Return the sequence slots the workers still starting will bring, each the mean ``max_num_seqs`` of the
@@ -157,7 +160,7 @@ class LocalWorker:
         client: the gateway's connection to it.
         spawned_at_s: monotonic time of the spawn.
         state: starting (no Hello yet), ready, draining.
-        process: the child process once spawned.
+        process: its process once spawned (``gateway.spawn``: forked by the fork server, or exec'd).
         stopping: the gateway asked it to exit (a scale-down or shutdown), so its exit is no failure.
         cold_start_s: spawn → Hello in seconds, once it said Hello.
     """
@@ -170,7 +173,7 @@ class LocalWorker:
     client: WorkerClient
     spawned_at_s: float
     state: WorkerState = WorkerState.STARTING
-    process: asyncio.subprocess.Process | None = None
+    process: WorkerProcess | None = None
     stopping: bool = False
     cold_start_s: float | None = None
 
@@ -293,6 +296,8 @@ class Fleet:
         self.degraded: Counter[tuple[str, str]] = Counter()  # (tier, pool that answered)
         self._devices: dict[str, list[str]] = {}
         self._worker_numbers = iter(range(1, 1 << 62))
+        self._spawner = WorkerSpawner(config.gateway.worker_start_method,
+                                      preload_modules(pool.backend for pool in self._pool_configs))
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._registry_task: asyncio.Task | None = None
@@ -350,6 +355,8 @@ class Fleet:
             for client, _ in runtime.remote.values():
                 client.start()
         if self.spawn_local:
+            if any(self._max_local(runtime) > 0 for runtime in self.runtimes.values()):
+                self._spawner.warm_up()
             self._loop_task = asyncio.create_task(self._autoscale_loop(), name="autoscale-loop")
         if self.config.registry.redis_url:
             from gateway.registry import RegistryWatcher
@@ -380,6 +387,7 @@ class Fleet:
             await self._watcher.close()
         if self._owned_limiter and hasattr(self.limiter, "close"):
             await self.limiter.close()
+        self._spawner.close()
 
     def start_draining(self) -> None:
         """Stop admitting in every pool: queued requests and new ones get 503 ``server_draining`` (SIGTERM)."""
@@ -470,11 +478,24 @@ class Fleet:
 
     # ----------------------------------------------------------------------------------------------- autoscaling
 
+    def autoscale_tick(self) -> None:
+        """Run one autoscaler pass over every pool: observe it, decide, carry the decisions out.
+
+        Each pool's admission is poked first (a dispatch pass, which observes the pressure level), so the level
+        follows the pool at least once a tick: a pool with workers is observed at every capacity report anyway,
+        but one scaled to zero has nobody reporting, and its level would stay where the last burst left it
+        (critical, with its tighter deadlines) until the next burst, then take ``pressure.min_dwell_s`` per level
+        to come down.
+        """
+        for runtime in self.runtimes.values():
+            runtime.admission.on_capacity_changed()
+        self._enact(self.autoscaler.tick([self._observe(r) for r in self.runtimes.values()]))
+
     async def _autoscale_loop(self) -> None:
         interval_s = self.config.autoscale.interval_s
         while True:
             try:
-                self._enact(self.autoscaler.tick([self._observe(r) for r in self.runtimes.values()]))
+                self.autoscale_tick()
             except Exception:  # a bug must not stop autoscaling for good; it is logged with its traceback
                 log.exception("autoscale_tick_failed")
             with contextlib.suppress(TimeoutError):
@@ -593,7 +614,7 @@ class Fleet:
         # the label of logs and metrics: stable per slot (a replacement keeps it), as before pools existed
         name = f"local-{index}" if not self.config.pools else f"{safe_pool}-{index}"
         client = WorkerClient(f"unix:{socket_path}", name, self.metrics.observe_capacity,
-                              WorkerPool.make_breaker(self.config.breaker))
+                              WorkerPool.make_breaker(self.config.breaker), FIRST_CONNECT_INTERVAL_S)
         lw = LocalWorker(runtime.name, index, worker_id, socket_path, device, client, now_s)
         runtime.local[worker_id] = lw
         runtime.starts_by_index[index] += 1
@@ -613,10 +634,9 @@ class Fleet:
         env.update(pool.env)
         return env
 
-    def worker_command(self, lw: LocalWorker) -> list[str]:
-        """Return the argv of a local worker."""
-        argv = [sys.executable, "-m", "sluice.cli", "worker", "--listen", f"unix:{lw.socket_path}",
-                "--worker-id", lw.worker_id]
+    def worker_args(self, lw: LocalWorker) -> list[str]:
+        """Return the arguments of a local worker (after ``sluice worker``)."""
+        argv = ["--listen", f"unix:{lw.socket_path}", "--worker-id", lw.worker_id]
         if self.config_path:
             argv += ["--config", self.config_path]
         return argv
@@ -625,15 +645,14 @@ class Fleet:
         """Spawn the worker, wait for its Hello (the cold start), then supervise it until it exits."""
         try:
             try:
-                lw.process = await asyncio.create_subprocess_exec(
-                    *self.worker_command(lw), env=self.worker_env(runtime.config, lw.device),
-                    preexec_fn=_die_with_parent)
+                lw.process = await self._spawner.spawn(self.worker_args(lw),
+                                                       self.worker_env(runtime.config, lw.device), lw.worker_id)
             except OSError as exc:
                 log.error("local_worker_spawn_failed", pool=runtime.name, worker_id=lw.worker_id, error=str(exc))
                 self._spawn_failed(runtime)
                 return
             log.info("local_worker_spawned", pool=runtime.name, worker_id=lw.worker_id, pid=lw.process.pid,
-                     device=lw.device)
+                     device=lw.device, start_method=self._spawner.method)
             lw.client.start()
             runtime.pool.add_client(lw.client)
             if await self._wait_hello(lw):

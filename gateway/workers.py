@@ -60,6 +60,10 @@ from shared.protocol import (
 log = structlog.get_logger("sluice.gateway")
 
 RECONNECT_INTERVAL_S = 0.2
+# Retry interval, seconds, before the first connection to a local worker the gateway just spawned: a forked worker
+# listens about 50 ms after its spawn, and every 0.2 s of polling beyond that is cold start a request waits through.
+# A connect to a Unix socket that is not there yet fails at once (ENOENT) and costs microseconds.
+FIRST_CONNECT_INTERVAL_S = 0.01
 CONNECT_TIMEOUT_S = 5.0
 # Prompt-block hashes remembered per worker for prefix-aware routing (about 64 K tokens of 16-token blocks per
 # 4096 entries; oldest forgotten first, like the worker's own LRU prefix cache).
@@ -162,13 +166,16 @@ class WorkerClient:
         name: label for logs, metrics and ``/status``.
         on_capacity: called with (name, Capacity) on every capacity report.
         breaker: this worker's circuit breaker; None = a closed one with the default settings.
+        first_connect_interval_s: retry interval until the first connection succeeds (a local worker just
+            spawned: :data:`FIRST_CONNECT_INTERVAL_S`); None = :data:`RECONNECT_INTERVAL_S` throughout.
     """
 
     def __init__(self, address: str, name: str,
                  on_capacity: Callable[[str, Capacity], None] | None = None,
-                 breaker: CircuitBreaker | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, first_connect_interval_s: float | None = None) -> None:
         self.address = address
         self.name = name
+        self._first_connect_interval_s = first_connect_interval_s
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.on_change: Callable[[], None] | None = None  # set by the pool: capacity, status or request end
         self.num_reserved = 0  # reservations (dispatched or about to be) of this gateway on this worker
@@ -223,12 +230,18 @@ class WorkerClient:
         used = self.capacity.used_kv_blocks if self.capacity is not None else 0
         return max(self.reserved_blocks, used)
 
-    def prefill_budget_tokens(self, prefill_queue_s: float) -> float:
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """The worker's measured prefill rate, tokens/s of busy time (its last capacity report); 0.0 = none yet."""
+        return self.capacity.prefill_tokens_per_s if self.capacity is not None else 0.0
+
+    def prefill_budget_tokens(self, prefill_queue_s: float, fallback_rate_tokens_per_s: float = 0.0) -> float:
         """Return how many not-yet-started prompt tokens the worker may hold: ``prefill_queue_s`` seconds at its
         measured prefill rate (tokens/s of busy time, from capacity reports), at least
-        :data:`MIN_PREFILL_BUDGET_TOKENS`; infinite before a rate is measured or when
-        ``prefill_queue_s`` is 0 (no limit)."""
-        rate = self.capacity.prefill_tokens_per_s if self.capacity is not None else 0.0
+        :data:`MIN_PREFILL_BUDGET_TOKENS`. A worker that has measured none yet (just started) is taken to
+        prefill at ``fallback_rate_tokens_per_s`` (its pool's: :meth:`WorkerPool.known_prefill_tokens_per_s`).
+        Infinite when no rate is known at all or ``prefill_queue_s`` is 0 (no limit)."""
+        rate = self.prefill_tokens_per_s or fallback_rate_tokens_per_s
         if prefill_queue_s <= 0 or rate <= 0:
             return float("inf")
         return max(MIN_PREFILL_BUDGET_TOKENS, rate * prefill_queue_s)
@@ -253,7 +266,7 @@ class WorkerClient:
         return num, tokens
 
     def can_take(self, demand_blocks: int, prefill_tokens: int = 0, prefill_queue_s: float = 0.0,
-                 priority: int = 0) -> bool:
+                 priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0) -> bool:
         """Return whether a request may be sent now (breaker, sequence slots, KV, prefill backlog).
 
         Args:
@@ -262,6 +275,8 @@ class WorkerClient:
             prefill_queue_s: most seconds of not-yet-started prefill work (of its tier or higher) the worker may
                 hold; 0 = no limit.
             priority: its tier's priority (the worker prefills higher ones first).
+            fallback_prefill_tokens_per_s: the prefill rate, tokens/s, to assume while the worker has measured
+                none (see :meth:`prefill_budget_tokens`).
         """
         if not self.ready or not self.breaker.available() or self.hello is None:
             return False
@@ -269,7 +284,8 @@ class WorkerClient:
             return False
         if prefill_queue_s > 0:
             num_ahead, tokens_ahead = self.pending_prefill_ahead(priority)
-            if num_ahead > 0 and tokens_ahead + prefill_tokens > self.prefill_budget_tokens(prefill_queue_s):
+            budget_tokens = self.prefill_budget_tokens(prefill_queue_s, fallback_prefill_tokens_per_s)
+            if num_ahead > 0 and tokens_ahead + prefill_tokens > budget_tokens:
                 return False
         return self.total_kv_blocks - self.committed_kv_blocks >= demand_blocks
 
@@ -394,7 +410,8 @@ class WorkerClient:
                 failures += 1
                 if failures in (1, 50) or failures % 300 == 0:
                     log.info("worker_connect_retry", worker=self.name, address=self.address, error=str(exc))
-                await asyncio.sleep(RECONNECT_INTERVAL_S)
+                first = self.num_connections == 0 and self._first_connect_interval_s is not None
+                await asyncio.sleep(self._first_connect_interval_s if first else RECONNECT_INTERVAL_S)
                 continue
             failures = 0
             self._codec = gateway_codec()
@@ -517,6 +534,7 @@ class WorkerPool:
         # tier name → priority, as the workers order prefills; {} = every tier alike (the FIFO baseline)
         self.tier_priorities: dict[str, int] = {}
         self._reservation_ids = itertools.count(1)
+        self._known_prefill_tokens_per_s = 0.0
         self.on_change = on_change
         for client in clients:
             client.on_change = self._changed
@@ -542,6 +560,20 @@ class WorkerPool:
         lengths = [c.hello.max_model_len_tokens for c in self.ready_clients() if c.hello is not None]
         return min([configured_tokens, *lengths])
 
+    def known_prefill_tokens_per_s(self) -> float:
+        """Return the prefill rate, tokens/s, to assume for a worker that has measured none yet: the mean over
+        the workers that have, else the last such mean (kept through a scale to zero); 0.0 = never measured.
+
+        Workers of one pool run the same model on the same kind of device, so a worker that just started prefills
+        at about its siblings' rate. Without it, the backlog limit would not hold for the first capacity reports
+        of a new worker, and a burst that meets a cold start would be sent to the new worker whole, past the
+        tier queues where priority, deadlines and early rejection act.
+        """
+        rates = [c.prefill_tokens_per_s for c in self.clients if c.prefill_tokens_per_s > 0]
+        if rates:
+            self._known_prefill_tokens_per_s = sum(rates) / len(rates)
+        return self._known_prefill_tokens_per_s
+
     # ------------------------------------------------------------------ CapacityView
 
     def _serving_clients(self) -> list[WorkerClient]:
@@ -564,8 +596,9 @@ class WorkerPool:
         """
         num_prompt_tokens = len(prompt_token_ids)
         priority = self.tier_priorities.get(tier, 0)
+        fallback_rate = self.known_prefill_tokens_per_s() if self.prefill_queue_s > 0 else 0.0
         candidates = [c for c in self.clients
-                      if c.can_take(demand_blocks, num_prompt_tokens, self.prefill_queue_s, priority)]
+                      if c.can_take(demand_blocks, num_prompt_tokens, self.prefill_queue_s, priority, fallback_rate)]
         if avoid is not None and any(c is not avoid and c.ready and c.breaker.available() for c in self.clients):
             candidates = [c for c in candidates if c is not avoid]
         if not candidates:

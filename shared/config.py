@@ -68,6 +68,10 @@ class GatewayConfig(_Section):
         stall_timeout_s: a request with no new token for this long fails (504 before the first byte, in-band after).
         worker_restart_backoff_s: wait before restarting a local worker that died.
         worker_start_timeout_s: a spawned worker that has not said Hello by then is restarted.
+        worker_start_method: how local workers start (``gateway/spawn.py``): ``forkserver`` forks each from a
+            process that imported the worker's modules once, when the gateway started (a sim worker's cold start
+            on a busy 2-core machine: 1.1–1.8 s exec'd, see the module for what forked ones take); ``exec`` runs
+            ``python -m sluice.cli worker`` in a new interpreter.
         drain_timeout_s: on SIGTERM, how long requests already running may take to finish (new ones get 503
             ``server_draining``) before the gateway stops its workers and exits.
         reuse_port: listen with ``SO_REUSEPORT``, so several gateway processes on one machine share ``port`` and
@@ -91,6 +95,7 @@ class GatewayConfig(_Section):
     stall_timeout_s: PositiveFloat = 60.0
     worker_restart_backoff_s: NonNegativeFloat = 1.0
     worker_start_timeout_s: PositiveFloat = 300.0
+    worker_start_method: Literal["forkserver", "exec"] = "forkserver"
     drain_timeout_s: NonNegativeFloat = 30.0
     reuse_port: bool = False
     cors_allow_origins: tuple[str, ...] = ()

@@ -25,6 +25,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVER_START_TIMEOUT_S = 600.0
+# Seconds the helpers of a stopped gateway (its fork server, multiprocessing's resource tracker) may take to exit:
+# the fork server leaves once the gateway and its last worker are gone, after an interpreter shutdown that can
+# take a second with torch imported on a busy machine.
+HELPER_EXIT_TIMEOUT_S = 10.0
 KV_RELEASE_TIMEOUT_S = 15.0
 
 TEST_CONFIG = """
@@ -135,7 +139,9 @@ def sluice_serve(workdir: Path, config_text: str, start_timeout_s: float = SERVE
     Ready means ``/readyz`` answered 200 with at least ``min_ready_workers`` ready workers.
 
     The config file and the server log go to ``workdir``; ``SLUICE_*`` variables of the caller's environment are
-    dropped. At exit the server is stopped with SIGTERM (SIGKILL after 30 s) and no worker process may outlive it.
+    dropped. At exit the server is stopped with SIGTERM (SIGKILL after 30 s) and no worker process may outlive it;
+    the helpers it started (the fork server its workers fork from, multiprocessing's resource tracker) must exit
+    within :data:`HELPER_EXIT_TIMEOUT_S` of it.
 
     Yields:
         The running server, ready (``/readyz`` answered 200).
@@ -168,7 +174,11 @@ def sluice_serve(workdir: Path, config_text: str, start_timeout_s: float = SERVE
             time.sleep(poll_interval_s)
         yield server
     finally:
-        worker_pids = _child_pids(process.pid)
+        descendant_pids = _child_pids(process.pid)
+        try:
+            worker_pids = [w["pid"] for w in server.status()["local_workers"] if w.get("pid")]
+        except (OSError, ValueError, KeyError):
+            worker_pids = descendant_pids  # no status: hold every descendant to the workers' bound
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=30)
@@ -177,9 +187,14 @@ def sluice_serve(workdir: Path, config_text: str, start_timeout_s: float = SERVE
             process.wait()
         time.sleep(0.5)
         survivors = [pid for pid in worker_pids if _alive(pid)]
-        for pid in survivors:
+        deadline_s = time.monotonic() + HELPER_EXIT_TIMEOUT_S
+        while any(_alive(pid) for pid in descendant_pids) and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        lingering = [pid for pid in descendant_pids if _alive(pid)]
+        for pid in set(survivors + lingering):
             os.kill(pid, signal.SIGKILL)
         assert not survivors, f"worker processes outlived the gateway: {survivors}"
+        assert not lingering, f"processes of the gateway outlived it by {HELPER_EXIT_TIMEOUT_S} s: {lingering}"
 
 
 @pytest.fixture(scope="session")
@@ -196,11 +211,13 @@ def sluice_server(tmp_path_factory) -> Iterator[SluiceServer]:
 
 
 def _child_pids(pid: int) -> list[int]:
+    """Return every descendant of ``pid``: the local workers are the fork server's children (gateway/spawn.py)."""
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     except FileNotFoundError:
         return []
-    return [int(p) for p in out.split()]
+    children = [int(p) for p in out.split()]
+    return children + [grandchild for child in children for grandchild in _child_pids(child)]
 
 
 def _alive(pid: int) -> bool:

@@ -829,6 +829,69 @@ async def test_drain_rate_is_measured_while_the_queue_is_backlogged():
     assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
 
 
+class ScalingPool(FakePool):
+    """A FakePool that counts its serving workers and can gain one (a scale-up)."""
+
+    def num_serving_workers(self) -> int:
+        return len(self.free_blocks)
+
+    def add_worker(self) -> None:
+        self.free_blocks.append(self.blocks_per_worker)
+        self.running.append(0)
+
+
+async def backlog_measured_at_100_tokens_per_s(pool: FakePool, clock: FakeClock, controller: AdmissionController):
+    """Queue 5 requests of 100 expected work tokens behind a running one, free a slot once a second three times:
+    3 dispatches of 100 tokens over 3 backlogged worker-seconds. Returns the tasks of the 2 still queued."""
+    running = controller.make_ticket("vip", prompt(36), 64)
+    await controller.admit(running)
+    queued = [controller.make_ticket("vip", prompt(36), 64) for _ in range(5)]
+    tasks = [queued_task(controller, t) for t in queued]
+    await settle()
+    for ticket in [running, *queued[:2]]:
+        clock.advance(1.0)
+        controller.release(ticket)
+        await settle()
+    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    return tasks[3:]
+
+
+async def test_the_service_rate_measured_under_backlog_outlives_an_idle_window():
+    pool = FakePool(max_num_seqs=1, rate=1000.0)  # the reports are optimistic, as in the test above
+    clock = FakeClock()
+    controller = make_controller(pool, clock, rate_window_s=30.0)
+    still_queued = await backlog_measured_at_100_tokens_per_s(pool, clock, controller)
+    for task in still_queued:
+        task.cancel()
+    await asyncio.gather(*still_queued, return_exceptions=True)
+    clock.advance(120.0)  # the window holds no backlog any more (a gap between bursts, a scale to zero)
+    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.drain_rate_tokens_per_s() == pytest.approx(100.0)  # not the reports' 1000
+
+
+async def test_the_room_a_joining_worker_brings_is_not_counted_as_service():
+    pool = ScalingPool(num_workers=1, max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, rate_window_s=30.0)
+    still_queued = await backlog_measured_at_100_tokens_per_s(pool, clock, controller)
+    pool.add_worker()  # a scale-up: the new worker takes the head of the queue at once
+    controller.on_capacity_changed()
+    await settle()
+    assert sum(pool.running) == 2  # it did take one
+    # counted, that dispatch would read as 400 tokens over 3 worker-seconds: 133 tokens/s per worker
+    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.drain_rate_tokens_per_s() == pytest.approx(200.0)  # 100 per serving worker × 2
+    clock.advance(1.0)
+    controller.release(admitted_one := next(t for t in controller._in_flight.values()))
+    await settle()
+    # the next dispatch is service again: 400 tokens over 3 + 2 backlogged worker-seconds
+    assert admitted_one.state is TicketState.RELEASED
+    assert controller.backlog_rate_tokens_per_s() == pytest.approx(400.0 / 5.0)
+    for task in still_queued:
+        task.cancel()
+    await asyncio.gather(*still_queued, return_exceptions=True)
+
+
 async def test_arrival_rate_counts_every_arrival_admitted_or_not():
     pool = FakePool(max_num_seqs=1, rate=100.0)
     clock = FakeClock()

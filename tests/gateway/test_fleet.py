@@ -33,6 +33,7 @@ import pytest
 
 from gateway.fleet import Fleet
 from gateway.metrics import Metrics
+from gateway.pressure import PressureLevel
 from shared.config import Config, effective_tiers
 from shared.errors import ErrorCode, SluiceError
 
@@ -573,3 +574,23 @@ async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
     assert fleet._demand_workers(runtime) == pytest.approx(200 / (100 * (10 + 2)))
     now[0] += 9.0
     assert fleet._demand_workers(runtime) == 0.0
+
+
+async def test_a_pool_scaled_to_zero_steps_its_pressure_down_through_the_idle_gap():
+    now = [1000.0]
+    config = msgspec.convert({
+        "pools": [{"name": "sim", "backend": "sim", "min_workers": 0, "max_workers": 4}],
+    }, Config)
+    fleet = Fleet(config, Metrics(), spawn_local=False, clock=lambda: now[0])
+    runtime = fleet.runtimes["sim"]
+    runtime.pressure.observe(100.0, 0.0)  # the last burst left the pool at critical; then no worker reports
+    assert runtime.pressure.level is PressureLevel.CRITICAL
+    levels = []
+    for _ in range(24):  # 12 s of autoscaler ticks, 0.5 s apart
+        now[0] += 0.5
+        fleet.autoscale_tick()
+        levels.append(runtime.pressure.level)
+    min_dwell_s = config.pressure.min_dwell_s  # one level down per dwell
+    assert levels[int(min_dwell_s / 0.5) - 2] is PressureLevel.CRITICAL
+    assert levels[int(min_dwell_s / 0.5) - 1] is PressureLevel.ELEVATED
+    assert levels[-1] is PressureLevel.NORMAL

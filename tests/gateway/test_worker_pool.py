@@ -7,6 +7,9 @@ gateway's end-to-end tests.
 
 from __future__ import annotations
 
+import msgspec
+
+from gateway.fleet import ElasticWorkerPool
 from gateway.workers import MIN_PREFILL_BUDGET_TOKENS, WorkerClient, WorkerPool
 from shared.protocol import Capacity, Finished, Generate, Hello, SamplingParams, TokenDelta
 
@@ -87,6 +90,47 @@ def test_no_prefill_limit_when_switched_off_or_before_a_rate_is_measured():
     assert b.prefill_budget_tokens(0.5) == float("inf")
     assert pool.try_reserve(60, "standard", prompt(900, 1)) is not None
     assert pool.try_reserve(60, "standard", prompt(900, 2)) is not None
+
+
+def test_a_worker_that_has_measured_no_rate_yet_gets_its_siblings_budget_even_after_they_left():
+    a = client("a", prefill_tokens_per_s=2000.0)
+    fresh = client("fresh", prefill_tokens_per_s=0.0)  # just said Hello: no capacity report with a rate yet
+    pool = WorkerPool([a, fresh], prefill_queue_s=0.5)
+    assert pool.known_prefill_tokens_per_s() == 2000.0
+    assert fresh.prefill_budget_tokens(0.5, pool.known_prefill_tokens_per_s()) == 1000
+    on_fresh = [pool.try_reserve(60, "standard", prompt(800, i)) for i in range(4)]
+    assert sorted(r.worker.name for r in on_fresh[:2]) == ["a", "fresh"]
+    assert on_fresh[2:] == [None, None]  # 800 + 800 > 1000 on both, the fresh one too: the queue holds them
+    # the pool scales to zero and a new worker starts: the rate its predecessors measured still holds
+    pool.clients.remove(a)
+    pool.clients.remove(fresh)
+    new = client("new", prefill_tokens_per_s=0.0)
+    pool.clients.append(new)
+    assert pool.known_prefill_tokens_per_s() == 2000.0
+    assert pool.try_reserve(60, "standard", prompt(800, 5)) is not None
+    assert pool.try_reserve(60, "standard", prompt(800, 6)) is None
+
+
+def test_an_elastic_pool_counts_new_and_starting_workers_at_the_rate_their_siblings_measured():
+    measured = client("measured", prefill_tokens_per_s=2000.0)
+    measured.capacity = msgspec.structs.replace(measured.capacity, decode_tokens_per_s=1000.0)
+    fresh = client("fresh")
+    fresh.capacity = None  # said Hello, no capacity report yet
+    pool = ElasticWorkerPool("sim")
+    assert pool.drain_rate_tokens_per_s() == 0.0  # never measured
+    pool.add_client(measured)
+    pool.add_client(fresh)
+    assert pool.drain_rate_tokens_per_s() == 6000.0  # 3000 tokens/s each, the fresh one too
+    starting = WorkerClient("unix:/nonexistent/starting", "starting")  # no Hello yet: a cold start under way
+    pool.add_client(starting)
+    assert pool.drain_rate_tokens_per_s() == 9000.0
+    # a scale to zero, then a new worker that has not reported yet: the rate measured before still holds
+    for worker in (measured, fresh, starting):
+        pool.remove_client(worker)
+    assert pool.drain_rate_tokens_per_s() == 0.0  # no worker at all
+    newcomer = client("newcomer", prefill_tokens_per_s=0.0)
+    pool.add_client(newcomer)
+    assert pool.drain_rate_tokens_per_s() == 3000.0
 
 
 def test_cached_prefix_does_not_count_as_prefill_work():

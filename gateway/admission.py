@@ -33,26 +33,26 @@ cause                         status  when
 ============================  ======  ===================================================================
 
 Predicted wait (prediction-based early rejection, after Qin et al., "Mooncake: Trading More Storage for Less
-Computation — A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): tokens of work ahead of
-the request — the expected prompt + output tokens of everything queued in its tier and higher tiers — ÷ the
-drain rate in tokens/s. The drain rate is measured where it happens: the expected work admission dispatched while
-requests were held in the queue for lack of room (a backlog: every dispatch then is the workers' capacity freeing),
-÷ the serving worker-seconds of those backlogged periods over ``admission.rate_window_s``, × the workers serving
-(and, for an elastic pool, starting) now. That is the queue's service rate under load whatever limits it (prefill
-backlog, sequence slots, KV), as in the M/G/c busy-period throughput. The room a worker brings when it joins (a
-scale-up: its first prefill backlog and sequence slots fill at once) is not service, so the dispatch pass that
-meets a new serving worker is left out of the measure. A window with too little backlog in it
-(``MIN_BACKLOG_WORKER_S``) keeps the last per-worker rate it measured: that is a property of the workers, and a
-pool that was idle or scaled to zero between two bursts serves the next one at it (the next backlog measures it
-anew). Until some backlog has ever been seen, the workers' decode + prefill rates from their capacity reports stand
-in; before those, the plain dispatch rate. Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished
-requests actually produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of
-them ends, however little work is queued. So while requests are held because sequence slots or KV blocks are
-taken, the prediction is instead the time until a slot frees for the request: list scheduling of the requests
-ahead over the admitted requests' expected ends, from the workers' per-sequence prefill and decode rates
+Computation — A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): tokens of work ahead of the request
+— the expected prompt + output tokens of everything queued in its tier and higher tiers — ÷ the drain rate in
+tokens/s. The drain rate is measured where it happens: the expected work admission dispatched while requests were
+held in the queue for lack of room (a backlog: every dispatch then is the workers' capacity freeing), ÷ the serving
+worker-seconds of those backlogged periods over ``admission.rate_window_s``, × the workers serving (and, for an
+elastic pool, starting) now. That is the queue's service rate under load whatever limits it (prefill backlog,
+sequence slots, KV), as in the M/G/c busy-period throughput. The room a worker brings when it joins (a scale-up: its
+first prefill backlog and sequence slots fill at once) is not service, so the dispatch pass that meets a new serving
+worker is left out of the measure. A window with too little backlog in it (``MIN_BACKLOG_WORKER_S``) keeps the last
+per-worker rate it measured: that is a property of the workers, and a pool that was idle or scaled to zero between
+two bursts serves the next one at it (the next backlog measures it anew). Until some backlog has ever been seen, the
+workers' decode + prefill rates from their capacity reports stand in; before those, the plain dispatch rate.
+Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished requests actually
+produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of them ends, however
+little work is queued. So while requests are held because sequence slots or KV blocks are taken, the prediction is
+instead the time until a slot frees for the request: list scheduling of the requests ahead over the admitted
+requests' expected ends, from the workers' per-sequence prefill and decode rates
 (:meth:`AdmissionController._slot_wait_s`); work ÷ rate stays for a queue held by the prefill backlog limit (idle
-slots) or before those rates are measured. The check runs after the dispatch at arrival, so a request that starts
-at once is never rejected for it.
+slots) or before those rates are measured. The check runs after the dispatch at arrival, so a request that starts at
+once is never rejected for it.
 ``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
 pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
 bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
@@ -349,6 +349,8 @@ class AdmissionController:
         # tier name → requests of that tier queued on the other gateways (``gateway.tier_counters``), counted against
         # the tier's queue_capacity at arrival; the default: this gateway alone
         self.queued_elsewhere: Callable[[str], int] = lambda tier: 0
+        # called after every arrival is recorded (the offered load grew): the fleet's autoscaler looks at once
+        self.on_arrival: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------------------------------------- per request
 
@@ -809,6 +811,8 @@ class AdmissionController:
         self._arrival_log.append((now_s, ticket.expected_work_tokens))
         while self._arrival_log and self._arrival_log[0][0] < now_s - self._admission.rate_window_s:
             self._arrival_log.popleft()
+        if self.on_arrival is not None:
+            self.on_arrival()
 
     def arrival_rate_tokens_per_s(self, window_s: float) -> float:
         """Return the expected work (prompt + expected output tokens) of requests that arrived within the last

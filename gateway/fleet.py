@@ -79,6 +79,9 @@ MAX_SPAWN_BACKOFF_S = 60.0
 _COLD_START_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 # Share of ``autoscale.demand_window_s`` over which a burst's arrival rate is also measured (Knative's panic window).
 PANIC_WINDOW_FRACTION = 0.1
+# Least seconds between two looks at a pool's offered load on arrival (``Fleet._on_arrival``): a burst of hundreds
+# of requests a second costs at most this many demand sums, not one per request.
+ARRIVAL_CHECK_INTERVAL_S = 0.05
 _UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -196,6 +199,7 @@ class PoolRuntime:
         starts_by_index: local workers started in each slot so far.
         service_rate_per_worker_tokens_per_s: the last known expected work tokens/s one worker drains (admission's
             measure), kept through a scale to zero; 0.0 = never measured.
+        arrival_checked_at_s: when an arrival last looked at the offered load (``Fleet._on_arrival``), monotonic s.
     """
 
     config: PoolConfig
@@ -210,6 +214,7 @@ class PoolRuntime:
     degraded_in: Counter[str] = field(default_factory=Counter)
     starts_by_index: Counter[int] = field(default_factory=Counter)
     service_rate_per_worker_tokens_per_s: float = 0.0
+    arrival_checked_at_s: float = -math.inf
 
     @property
     def name(self) -> str:
@@ -330,6 +335,7 @@ class Fleet:
                                         clock=self._clock)
         pool.on_change = admission.on_capacity_changed
         runtime = PoolRuntime(pool_config, pool, admission, capper)
+        admission.on_arrival = lambda: self._on_arrival(runtime)
         holder.append(runtime)
         return runtime
 
@@ -477,6 +483,22 @@ class Fleet:
         return int(min(self.config.admission.max_retry_after_s, max(1, math.ceil(seconds))))
 
     # ----------------------------------------------------------------------------------------------- autoscaling
+
+    def _on_arrival(self, runtime: PoolRuntime) -> None:
+        """Wake the autoscaler now when the offered load, with the request that just arrived, needs more workers
+        than the pool has ready or starting (rule 3 of ``gateway.autoscaler``: a burst begins), instead of at its
+        next tick up to ``autoscale.interval_s`` later. Looks at most every :data:`ARRIVAL_CHECK_INTERVAL_S`."""
+        now_s = self._clock()
+        if (self._kick.is_set() or not self._may_spawn(runtime)
+                or now_s - runtime.arrival_checked_at_s < ARRIVAL_CHECK_INTERVAL_S):
+            return
+        runtime.arrival_checked_at_s = now_s
+        needed = self._demand_workers(runtime)
+        if needed is None:
+            return
+        active = len(self._active_local(runtime)) + sum(1 for client, _ in runtime.remote.values() if client.ready)
+        if math.ceil(needed - 1e-9) > active and len(self._active_local(runtime)) < self._max_local(runtime):
+            self.kick()
 
     def autoscale_tick(self) -> None:
         """Run one autoscaler pass over every pool: observe it, decide, carry the decisions out.

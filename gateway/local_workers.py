@@ -8,26 +8,17 @@ so it never outlives a gateway that is killed; on a clean exit the gateway sends
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-import signal
 import sys
 
 import structlog
 
+from gateway.spawn import die_with_parent as _die_with_parent
 from gateway.workers import WorkerClient
 
 log = structlog.get_logger("sluice.gateway")
 
-PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
-
-
-def _die_with_parent() -> None:
-    """``preexec_fn``: ask the kernel to SIGTERM the child when the gateway dies (Linux only)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def socket_path(index: int) -> str:

@@ -31,9 +31,11 @@ import aiohttp
 import msgspec
 import pytest
 
-from gateway.fleet import Fleet
+from gateway.autoscaler import WorkerState
+from gateway.fleet import Fleet, LocalWorker
 from gateway.metrics import Metrics
 from gateway.pressure import PressureLevel
+from gateway.workers import WorkerClient
 from shared.config import Config, effective_tiers
 from shared.errors import ErrorCode, SluiceError
 
@@ -594,3 +596,40 @@ async def test_a_pool_scaled_to_zero_steps_its_pressure_down_through_the_idle_ga
     assert levels[int(min_dwell_s / 0.5) - 2] is PressureLevel.CRITICAL
     assert levels[int(min_dwell_s / 0.5) - 1] is PressureLevel.ELEVATED
     assert levels[-1] is PressureLevel.NORMAL
+
+
+async def test_an_arrival_that_needs_more_workers_wakes_the_autoscaler_at_once():
+    now = [1000.0]
+    config = msgspec.convert({
+        "autoscale": {"demand_window_s": 10.0, "target_utilisation": 1.0},
+        "pools": [{"name": "sim", "backend": "sim", "min_workers": 0, "max_workers": 4}],
+    }, Config)
+    fleet = Fleet(config, Metrics(), spawn_local=True, clock=lambda: now[0])  # never started: nothing spawns
+    runtime = fleet.runtimes["sim"]
+    runtime.service_rate_per_worker_tokens_per_s = 100.0  # as admission last measured it
+    waiting: list[asyncio.Task] = []
+
+    async def arrive() -> None:  # 100 tokens of expected work; it queues (a worker may come)
+        ticket = runtime.admission.make_ticket("standard", list(range(36)), 64)
+        waiting.append(asyncio.create_task(runtime.admission.admit(ticket)))
+        await asyncio.sleep(0)
+
+    try:
+        await arrive()  # no worker at all: one is needed
+        assert fleet._kick.is_set()
+        fleet._kick.clear()
+        client = WorkerClient("unix:/nonexistent/ready", "sim-0")
+        runtime.local["w0"] = LocalWorker("sim", 0, "w0", "/nonexistent/ready", None, client, now[0],
+                                          WorkerState.READY)
+        await arrive()  # within ARRIVAL_CHECK_INTERVAL_S of the last look: not looked at
+        assert not fleet._kick.is_set()
+        now[0] += 0.1
+        await arrive()  # 300 tokens in the 1 s panic window ÷ (100 tokens/s × (1 s + 2 s)): one worker does
+        assert not fleet._kick.is_set()
+        now[0] += 0.1
+        await arrive()  # 400 tokens: 1.33 workers, one is ready
+        assert fleet._kick.is_set()
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)

@@ -496,8 +496,9 @@ class Fleet:
         needed = self._demand_workers(runtime)
         if needed is None:
             return
-        active = len(self._active_local(runtime)) + sum(1 for client, _ in runtime.remote.values() if client.ready)
-        if math.ceil(needed - 1e-9) > active and len(self._active_local(runtime)) < self._max_local(runtime):
+        num_local = len(self._active_local(runtime))
+        num_remote = sum(1 for client, _ in runtime.remote.values() if client.ready)
+        if math.ceil(needed - 1e-9) > num_local + num_remote and num_local < self._max_local(runtime):
             self.kick()
 
     def autoscale_tick(self) -> None:

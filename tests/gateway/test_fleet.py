@@ -555,13 +555,21 @@ max_workers = 1
         assert 'sluice_degraded_requests_total{pool="small",tier="free"} 1.0' in metrics
 
 
-async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
-    now = [1000.0]
+def sim_pool_fleet(now: list[float], autoscale: dict | None = None, spawn_local: bool = False) -> Fleet:
+    """A fleet of one elastic sim pool (0..4 workers) on the clock ``now[0]``; never started, so nothing spawns."""
     config = msgspec.convert({
-        "autoscale": {"demand_window_s": 10.0, "target_utilisation": 1.0},
+        "autoscale": autoscale or {},
         "pools": [{"name": "sim", "backend": "sim", "min_workers": 0, "max_workers": 4}],
     }, Config)
-    fleet = Fleet(config, Metrics(), spawn_local=False, clock=lambda: now[0])
+    return Fleet(config, Metrics(), spawn_local=spawn_local, clock=lambda: now[0])
+
+
+DEMAND_AUTOSCALE = {"demand_window_s": 10.0, "target_utilisation": 1.0}
+
+
+async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
+    now = [1000.0]
+    fleet = sim_pool_fleet(now, DEMAND_AUTOSCALE)
     runtime = fleet.runtimes["sim"]
     assert fleet._demand_workers(runtime) is None  # no service rate known yet
     runtime.service_rate_per_worker_tokens_per_s = 100.0  # as admission last measured it
@@ -580,10 +588,7 @@ async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
 
 async def test_a_pool_scaled_to_zero_steps_its_pressure_down_through_the_idle_gap():
     now = [1000.0]
-    config = msgspec.convert({
-        "pools": [{"name": "sim", "backend": "sim", "min_workers": 0, "max_workers": 4}],
-    }, Config)
-    fleet = Fleet(config, Metrics(), spawn_local=False, clock=lambda: now[0])
+    fleet = sim_pool_fleet(now)
     runtime = fleet.runtimes["sim"]
     runtime.pressure.observe(100.0, 0.0)  # the last burst left the pool at critical; then no worker reports
     assert runtime.pressure.level is PressureLevel.CRITICAL
@@ -592,7 +597,7 @@ async def test_a_pool_scaled_to_zero_steps_its_pressure_down_through_the_idle_ga
         now[0] += 0.5
         fleet.autoscale_tick()
         levels.append(runtime.pressure.level)
-    min_dwell_s = config.pressure.min_dwell_s  # one level down per dwell
+    min_dwell_s = fleet.config.pressure.min_dwell_s  # one level down per dwell
     assert levels[int(min_dwell_s / 0.5) - 2] is PressureLevel.CRITICAL
     assert levels[int(min_dwell_s / 0.5) - 1] is PressureLevel.ELEVATED
     assert levels[-1] is PressureLevel.NORMAL
@@ -600,11 +605,7 @@ async def test_a_pool_scaled_to_zero_steps_its_pressure_down_through_the_idle_ga
 
 async def test_an_arrival_that_needs_more_workers_wakes_the_autoscaler_at_once():
     now = [1000.0]
-    config = msgspec.convert({
-        "autoscale": {"demand_window_s": 10.0, "target_utilisation": 1.0},
-        "pools": [{"name": "sim", "backend": "sim", "min_workers": 0, "max_workers": 4}],
-    }, Config)
-    fleet = Fleet(config, Metrics(), spawn_local=True, clock=lambda: now[0])  # never started: nothing spawns
+    fleet = sim_pool_fleet(now, DEMAND_AUTOSCALE, spawn_local=True)
     runtime = fleet.runtimes["sim"]
     runtime.service_rate_per_worker_tokens_per_s = 100.0  # as admission last measured it
     waiting: list[asyncio.Task] = []

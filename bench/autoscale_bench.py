@@ -39,12 +39,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +52,7 @@ sys.path.insert(0, str(REPO))
 from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from loadtest.replay import ReplayOptions, run_replay  # noqa: E402
 from loadtest.summary import format_table, summarize  # noqa: E402
+from tests.support.server import SluiceProcess  # noqa: E402
 from loadtest.traces import (  # noqa: E402
     assign_tiers,
     busy_rate_per_s,
@@ -118,35 +115,17 @@ def get_json(url: str, timeout_s: float = 5.0) -> dict | None:
         return None
 
 
-class FleetGateway:
-    """``sluice serve`` with the bench config on a free loopback port, as a context manager."""
+class FleetGateway(SluiceProcess):
+    """``sluice serve`` with the bench config on a free loopback port, as a context manager (entered at once: the
+    caller waits for the pool state it needs with :meth:`wait`)."""
 
     def __init__(self, config_text: str, log_path: Path) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-autoscale-")
-        self.config_path = Path(self._tmp.name) / "config.toml"
-        self.config_path.write_text(config_text)
-        self.log_path = log_path
-        from loadtest.harness import free_port
-
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> FleetGateway:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", "serve", "--config", str(self.config_path), "--port",
-                 str(self.port)], cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        return self
+        super().__init__(config_text, ready="none", log_path=log_path)
 
     def wait(self, predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sluice serve exited: {self.log_path.read_text()[-3000:]}")
+            self.check_alive()
             status = get_json(self.base_url + "/status")
             if status is not None and predicate(status["fleet"]["pools"]["sim"]):
                 return status
@@ -155,14 +134,8 @@ class FleetGateway:
             time.sleep(0.5)
 
     def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._tmp.cleanup()
+        self.stop(timeout_s=60)
+        self.close()
 
 
 def busy_worker_seconds_of(samples) -> float:

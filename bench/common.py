@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from tests.support.server import SluiceProcess, free_port  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -49,41 +37,9 @@ def mt_bench_prompts(limit: int) -> list[str]:
 @contextlib.contextmanager
 def sluice_server(config_text: str, env: dict[str, str] | None = None, start_timeout_s: float = 600.0):
     """Run ``sluice serve`` with ``config_text`` on a free port; yield its base URL; stop it afterwards."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        config_path = Path(tmp) / "config.toml"
-        config_path.write_text(config_text)
-        log_path = Path(tmp) / "serve.log"
-        full_env = {**os.environ, **(env or {}), "SLUICE_GATEWAY__PORT": str(port)}
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path)],
-                cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + start_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"sluice serve exited: {log_path.read_text()[-3000:]}")
-                try:
-                    with urllib.request.urlopen(base_url + "/readyz", timeout=2) as response:
-                        if response.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("sluice serve did not become ready")
-                time.sleep(0.5)
-            yield base_url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with SluiceProcess(config_text, env=env, min_ready_workers=0, start_timeout_s=start_timeout_s,
+                       inherit_sluice_env=True) as server:
+        yield server.base_url
 
 
 def write_result(name: str, result: dict) -> Path:

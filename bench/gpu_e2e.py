@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,51 +32,32 @@ from typing import Any
 import aiohttp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from tests.support.server import SluiceProcess, free_port  # noqa: E402
 READY_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 240.0
 PROMPT = "Write a long, detailed story about a lighthouse keeper who discovers a hidden library under the sea."
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def start_server(port: int, log_path: Path, backend: str) -> SluiceProcess:
+    """Start ``sluice serve`` (the repository's config.toml) on ``port``, logging to ``log_path``; do not wait."""
+    env = {
+        "SLUICE_WORKER__BACKEND": backend,
+        "SLUICE_WORKER__KV_CACHE_GIB": os.environ.get("SLUICE_WORKER__KV_CACHE_GIB", "4"),
+        "SLUICE_WORKER__MAX_NUM_SEQS": os.environ.get("SLUICE_WORKER__MAX_NUM_SEQS", "64"),
+        "SLUICE_ADMISSION__ENABLED": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONUNBUFFERED": "1",
+    }
+    server = SluiceProcess(None, port=port, args=["--host", "127.0.0.1"], env=env, ready="none", log_path=log_path,
+                           inherit_sluice_env=True)
+    return server.start()
 
 
-def start_server(port: int, log_path: Path, backend: str) -> subprocess.Popen:
-    """Start ``sluice serve`` on ``port`` in its own process group, logging to ``log_path``."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "SLUICE_WORKER__BACKEND": backend,
-            "SLUICE_WORKER__KV_CACHE_GIB": env.get("SLUICE_WORKER__KV_CACHE_GIB", "4"),
-            "SLUICE_WORKER__MAX_NUM_SEQS": env.get("SLUICE_WORKER__MAX_NUM_SEQS", "64"),
-            "SLUICE_ADMISSION__ENABLED": "false",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    log = log_path.open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (gateway and its workers), SIGKILL after 15 s."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
+def stop_server(server: SluiceProcess) -> None:
+    """SIGTERM the server (it stops its workers), SIGKILL its process group after 15 s."""
+    server.stop(timeout_s=15.0)
 
 
 async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> str:
@@ -190,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or _default_out_path()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.log or out_path.with_name("gpu_e2e_server.log")
-    port = _free_port()
-    proc = start_server(port, log_path, args.backend)
+    port = free_port()
+    server = start_server(port, log_path, args.backend)
+    proc = server.process
     report: dict[str, Any] = {"backend": args.backend, "attention_backend": "auto (cupy on CUDA when CuPy imports)"}
     status = 0
     try:
@@ -200,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         report["error"] = f"{type(exc).__name__}: {exc}"
         status = 1
     finally:
-        stop_server(proc)
+        stop_server(server)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     if status:

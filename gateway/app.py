@@ -1,9 +1,9 @@
 """The aiohttp application: routes, the error ladder, and every resource as a ``cleanup_ctx``.
 
 Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
-metrics → tokenizer (thread pool) → the fleet (``gateway.fleet``: pools of workers — local processes under the
+metrics → tokenizer (thread pool) → the fleet (``gateway.fleet.fleet``: pools of workers — local processes under the
 autoscaler, ``--worker-address`` and Redis-registry workers — each pool with the admission controller that reads
-its capacity) → the tier counters shared with other gateways through Redis (``gateway.tier_counters``; their queued
+its capacity) → the tier counters shared with other gateways through Redis (``gateway.admission.tier_counters``; their queued
 requests count against each tier's ``queue_capacity``). The tier resolver and the output capper are built with the
 app (they only read the config), so a bad tiers / keys config fails at start.
 
@@ -29,20 +29,19 @@ from typing import AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from gateway import dashboard, handlers
-from gateway.caps import OutputCapper
-from gateway.fleet import Fleet
+from gateway.http import dashboard, handlers
+from gateway.admission.caps import OutputCapper
+from gateway.fleet.fleet import Fleet
 from gateway.jobs import setup_jobs
 from gateway.metrics import Metrics
-from gateway.pressure import PressureMonitor
-from gateway.state import (
+from gateway.admission.pressure import PressureMonitor
+from gateway.http.state import (
     ADMISSION,
     CAPPER,
     CONFIG,
     FLEET,
     GATEWAY_ID,
     RESOLVER,
-    LOCAL_WORKERS,
     METRICS,
     OPTIONS,
     REQUEST_ID,
@@ -53,9 +52,9 @@ from gateway.state import (
     TOKENIZER,
     GatewayOptions,
 )
-from gateway.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_snapshot
-from gateway.tiers import TierResolver
-from gateway.tokenize import Tokenizer
+from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_snapshot
+from gateway.pipeline.classify import TierResolver
+from gateway.pipeline.tokenize import Tokenizer
 from shared.config import resolve_model_path
 from shared.errors import ErrorCode, SluiceError, error_envelope
 
@@ -172,7 +171,7 @@ async def _tokenizer_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The fleet (``gateway.fleet``): pools with their admission, local workers under the autoscaler, workers from
+    """The fleet (``gateway.fleet.fleet``): pools with their admission, local workers under the autoscaler, workers from
     ``--worker-address`` and from the Redis registry. ``POOL`` / ``ADMISSION`` name the first pool's."""
     options, config, metrics = app[OPTIONS], app[CONFIG], app[METRICS]
     fleet = Fleet(config, metrics, options.config_path,
@@ -181,7 +180,6 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     app[FLEET] = fleet
     app[POOL] = fleet.default.pool
     app[ADMISSION] = fleet.default.admission
-    app[LOCAL_WORKERS] = []  # local worker processes belong to the fleet now (``/status`` ``local_workers``)
     metrics.attach_state(fleet.admission_snapshot, fleet.worker_status)
     fleet.start()
     yield
@@ -189,7 +187,7 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _tier_counters_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Per-tier counts shared with the other gateways through Redis (``gateway.tier_counters``): published every
+    """Per-tier counts shared with the other gateways through Redis (``gateway.admission.tier_counters``): published every
     interval, and the other gateways' queued requests count against each pool's tier ``queue_capacity``."""
     fleet, metrics = app[FLEET], app[METRICS]
     counters = TierCounters.from_config(app[CONFIG], app[GATEWAY_ID],

@@ -68,7 +68,7 @@ class GatewayConfig(_Section):
         stall_timeout_s: a request with no new token for this long fails (504 before the first byte, in-band after).
         worker_restart_backoff_s: wait before restarting a local worker that died.
         worker_start_timeout_s: a spawned worker that has not said Hello by then is restarted.
-        worker_start_method: how local workers start (``gateway/spawn.py``): ``forkserver`` forks each from a
+        worker_start_method: how local workers start (``gateway/fleet/spawn.py``): ``forkserver`` forks each from a
             process that imported the worker's modules once, when the gateway started (a sim worker's cold start
             on a busy 2-core machine: 1.1–1.8 s exec'd, see the module for what forked ones take); ``exec`` runs
             ``python -m sluice.cli worker`` in a new interpreter.
@@ -511,7 +511,7 @@ class RateLimitConfig(_Section):
         share_tier_counters: publish this gateway's per-tier counters (queued, in flight, admitted, rejected) to the
             same Redis (``redis_url``, else ``registry.redis_url``; off when neither is set, whatever ``backend``)
             and read every other gateway's: ``/status`` ``fleet_tiers``, ``sluice_fleet_tier_*`` metrics, and each
-            tier's ``queue_capacity`` bounds the requests queued on all gateways together (``gateway.tier_counters``).
+            tier's ``queue_capacity`` bounds the requests queued on all gateways together (``gateway.admission.tier_counters``).
         tier_counters_key_prefix: prefix of the tier counter keys; gateways that share counters use the same one.
         tier_counters_interval_s: seconds between two publications; a gateway silent for 3 intervals is gone.
     """

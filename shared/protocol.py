@@ -53,6 +53,9 @@ class Generate(msgspec.Struct, tag=True, array_like=True, frozen=True):
             it drops it unstarted and answers :class:`Failed` with code ``queue_timeout``; 0 for none. A request
             already started (prefilling, decoding, or preempted after starting) is never dropped.
         ignore_eos: keep generating past EOS (benchmarks).
+        priority: the request's numeric priority (its tier's, from the gateway's config; larger first): the worker
+            admits and prefills higher priorities first, preempts and evicts lower ones first, and keeps no tier
+            config of its own. Equal for every request when the gateway's admission is off (arrival order).
     """
 
     request_id: str
@@ -65,6 +68,7 @@ class Generate(msgspec.Struct, tag=True, array_like=True, frozen=True):
     cache_ttl_s: float = 0.0
     deadline_s: float = 0.0
     ignore_eos: bool = False
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True, frozen=True):

@@ -8,22 +8,16 @@ went back to zero (nothing leaked by any test), then stops the server with SIGTE
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support.server import REPO_ROOT, ProcessExited, SluiceProcess, free_port, get_json  # noqa: F401
 SERVER_START_TIMEOUT_S = 600.0
 # Seconds the helpers of a stopped gateway (its fork server, multiprocessing's resource tracker) may take to exit:
 # the fork server leaves once the gateway and its last worker are gone, after an interpreter shutdown that can
@@ -79,7 +73,7 @@ def redis_prefix(request):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The gateway's :class:`Tokenizer` of the default model (SmolLM2-135M-Instruct)."""
-    from gateway.tokenize import Tokenizer
+    from gateway.pipeline.tokenize import Tokenizer
     from shared.config import default_model_path
 
     tok = Tokenizer.from_model_path(default_model_path(), num_threads=1)
@@ -87,32 +81,15 @@ def tokenizer():
     tok.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class SluiceServer(SluiceProcess):
+    """A running ``sluice serve`` of the test suite: :class:`SluiceProcess` plus the parsed config and the first
+    worker's capacity."""
 
+    def __init__(self, workdir: Path, config_text: str, **kwargs) -> None:
+        import tomllib
 
-def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict]:
-    """GET ``url`` and return (status, decoded JSON body)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-
-
-@dataclass
-class SluiceServer:
-    """A running ``sluice serve``: its base URL, process and log file."""
-
-    base_url: str
-    process: subprocess.Popen
-    log_path: Path
-    config: dict
-
-    def status(self) -> dict:
-        return get_json(self.base_url + "/status")[1]
+        super().__init__(config_text, workdir, **kwargs)
+        self.config = tomllib.loads(config_text)
 
     def worker_capacity(self) -> dict:
         """The first worker's last Capacity report (from ``/status``)."""
@@ -126,9 +103,6 @@ class SluiceServer:
             time.sleep(0.1)
             capacity = self.worker_capacity()
         return capacity
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
 @contextlib.contextmanager
@@ -146,55 +120,38 @@ def sluice_serve(workdir: Path, config_text: str, start_timeout_s: float = SERVE
     Yields:
         The running server, ready (``/readyz`` answered 200).
     """
-    import tomllib
-
-    config_path = workdir / "config.toml"
-    config_path.write_text(config_text)
-    log_path = workdir / "serve.log"
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(port)],
-            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    server = SluiceServer(f"http://127.0.0.1:{port}", process, log_path, tomllib.loads(config_text))
+    server = SluiceServer(workdir, config_text, min_ready_workers=min_ready_workers)
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"sluice serve exited with {process.returncode}:\n{server.log_tail()}")
-            try:
-                status, body = get_json(server.base_url + "/readyz", timeout_s=2.0)
-                if status == 200 and body.get("ready_workers", 0) >= min_ready_workers:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"sluice serve not ready after {start_timeout_s} s:\n{server.log_tail()}")
-            time.sleep(poll_interval_s)
+        server.start(wait=False)
+        try:
+            server.wait_ready(start_timeout_s, poll_interval_s)
+        except ProcessExited as exc:
+            pytest.fail(str(exc))
         yield server
     finally:
-        descendant_pids = _child_pids(process.pid)
-        try:
-            worker_pids = [w["pid"] for w in server.status()["local_workers"] if w.get("pid")]
-        except (OSError, ValueError, KeyError):
-            worker_pids = descendant_pids  # no status: hold every descendant to the workers' bound
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        time.sleep(0.5)
-        survivors = [pid for pid in worker_pids if _alive(pid)]
-        deadline_s = time.monotonic() + HELPER_EXIT_TIMEOUT_S
-        while any(_alive(pid) for pid in descendant_pids) and time.monotonic() < deadline_s:
-            time.sleep(0.1)
-        lingering = [pid for pid in descendant_pids if _alive(pid)]
-        for pid in set(survivors + lingering):
-            os.kill(pid, signal.SIGKILL)
-        assert not survivors, f"worker processes outlived the gateway: {survivors}"
-        assert not lingering, f"processes of the gateway outlived it by {HELPER_EXIT_TIMEOUT_S} s: {lingering}"
+        if server.process is not None:
+            _stop_checking_survivors(server)
+
+
+def _stop_checking_survivors(server: SluiceServer) -> None:
+    """Stop ``server``; fail when a worker outlives it or another helper outlives it by HELPER_EXIT_TIMEOUT_S."""
+    process = server.process
+    descendant_pids = _child_pids(process.pid)
+    try:
+        worker_pids = [w["pid"] for w in server.status()["local_workers"] if w.get("pid")]
+    except (OSError, ValueError, KeyError, AssertionError):
+        worker_pids = descendant_pids  # no status: hold every descendant to the workers' bound
+    server.stop()
+    time.sleep(0.5)
+    survivors = [pid for pid in worker_pids if _alive(pid)]
+    deadline_s = time.monotonic() + HELPER_EXIT_TIMEOUT_S
+    while any(_alive(pid) for pid in descendant_pids) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    lingering = [pid for pid in descendant_pids if _alive(pid)]
+    for pid in set(survivors + lingering):
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"worker processes outlived the gateway: {survivors}"
+    assert not lingering, f"processes of the gateway outlived it by {HELPER_EXIT_TIMEOUT_S} s: {lingering}"
 
 
 @pytest.fixture(scope="session")
@@ -211,7 +168,7 @@ def sluice_server(tmp_path_factory) -> Iterator[SluiceServer]:
 
 
 def _child_pids(pid: int) -> list[int]:
-    """Return every descendant of ``pid``: the local workers are the fork server's children (gateway/spawn.py)."""
+    """Return every descendant of ``pid``: the local workers are the fork server's children (gateway/fleet/spawn.py)."""
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     except FileNotFoundError:

@@ -19,7 +19,7 @@ import uuid
 
 import structlog
 
-from shared.config import Config, ConfigError, effective_tiers, load_config, resolve_model_path, with_overrides
+from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
 from shared.protocol import Capacity, Hello
 
 log = structlog.get_logger("sluice.worker")
@@ -113,8 +113,6 @@ def build_worker(config: Config, worker_id: str):
         max_model_len_tokens=max_model_len,
         attention_backend=attention_name,
     )
-    tier_priority = {tier.name: tier.priority for tier in effective_tiers(config)}
-
     def capacity() -> Capacity:
         stats = scheduler.stats()
         usage = stats.num_used_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
@@ -141,7 +139,6 @@ def build_worker(config: Config, worker_id: str):
         capacity,
         max_model_len,
         capacity_interval_s=wc.capacity_interval_s,
-        tier_priority_fn=lambda tier: tier_priority.get(tier, 0),
     )
 
 

@@ -1,18 +1,7 @@
-"""Register a worker in the Redis worker registry and keep it alive with a heartbeat (issue 7; DESIGN.md, Processes).
+"""Register a worker in the Redis worker registry and keep it alive with a heartbeat (DESIGN.md, Processes).
 
-``sluice worker --listen 0.0.0.0:9100 --registry redis://host:6379/0 --advertise 10.0.0.5:9100`` writes:
-
-=================================  ======  =================================================================
-key                                type    content
-=================================  ======  =================================================================
-``<prefix>:worker:<worker id>``    hash    the ``Hello`` fields, ``address`` (where gateways connect),
-                                           ``incarnation`` (pid and start time), ``host``, ``pid``; expires
-                                           after ``HASH_TTL_FACTOR`` heartbeat TTLs without a heartbeat
-``<prefix>:alive:<worker id>``     string  "1" with a TTL of ``heartbeat_ttl_s``, refreshed every
-                                           ``heartbeat_interval_s``: the worker is alive while it exists
-``<prefix>:workers``               set     the worker ids (the index gateways scan)
-``<prefix>:events``                pubsub  ``join <worker id>`` / ``leave <worker id>`` (a hint to rescan now)
-=================================  ======  =================================================================
+``sluice worker --listen 0.0.0.0:9100 --registry redis://host:6379/0 --advertise 10.0.0.5:9100`` writes the keys
+that :mod:`shared.registry_keys` lists.
 
 Each heartbeat rewrites the whole entry in one transaction, so a worker comes back by itself after Redis lost its
 keys (restart, flush) or a gateway dropped it during a network partition. A clean exit deletes the entry and
@@ -33,26 +22,9 @@ from redis.exceptions import RedisError
 
 from shared.config import ConfigError, RegistryConfig
 from shared.protocol import Hello
+from shared.registry_keys import HASH_TTL_FACTOR, events_channel, index_key, registry_keys
 
 log = structlog.get_logger("sluice.worker")
-
-# The hash outlives the alive key by this factor, so a gateway can still read who died.
-HASH_TTL_FACTOR = 10
-
-
-def registry_keys(key_prefix: str, worker_id: str) -> tuple[str, str]:
-    """Return the (hash key, alive key) of ``worker_id``."""
-    return f"{key_prefix}:worker:{worker_id}", f"{key_prefix}:alive:{worker_id}"
-
-
-def index_key(key_prefix: str) -> str:
-    """Return the key of the set of registered worker ids."""
-    return f"{key_prefix}:workers"
-
-
-def events_channel(key_prefix: str) -> str:
-    """Return the pubsub channel of join/leave hints."""
-    return f"{key_prefix}:events"
 
 
 def resolve_advertise(listen: str, advertise: str | None) -> str:

@@ -74,7 +74,6 @@ class WorkerServer:
         capacity_fn: returns the current :class:`Capacity` (reads scheduler and engine counters).
         max_model_len_tokens: context length; longer prompts fail with ``context_length_exceeded``.
         capacity_interval_s: period of capacity reports.
-        tier_priority_fn: tier label → priority (for scheduling and eviction order).
     """
 
     def __init__(
@@ -84,14 +83,12 @@ class WorkerServer:
         capacity_fn: Callable[[], Capacity],
         max_model_len_tokens: int,
         capacity_interval_s: float = 0.25,
-        tier_priority_fn: Callable[[str], int] = lambda tier: 0,
     ) -> None:
         self.engine = engine
         self.hello = hello
         self.capacity_fn = capacity_fn
         self.max_model_len_tokens = max_model_len_tokens
         self.capacity_interval_s = capacity_interval_s
-        self.tier_priority_fn = tier_priority_fn
         self.draining = False
         self._connections: dict[int, _Connection] = {}
         self._owner: dict[str, _Connection] = {}
@@ -227,7 +224,7 @@ class WorkerServer:
         adds, self._pending_adds = self._pending_adds, []
         for internal_id, msg, received_s in adds:
             if internal_id in self._owner:  # not aborted meanwhile
-                self.engine.add(internal_id, msg, self.tier_priority_fn(msg.tier), received_s)
+                self.engine.add(internal_id, msg, msg.priority, received_s)
 
     def _forget(self, internal_id: str) -> None:
         conn = self._owner.pop(internal_id, None)

@@ -20,8 +20,8 @@ from gateway.jobs.api import JOBS, JobsService, setup_job_routes
 from gateway.jobs.batches import finalize_batch, setup_batch_routes
 from gateway.jobs.runner import JobRunner, PoolIdleCapacity
 from gateway.jobs.store import make_store
-from gateway.state import ADMISSION, CONFIG, POOL
-from gateway.tiers import Principal
+from gateway.http.state import ADMISSION, CONFIG, POOL
+from gateway.pipeline.classify import Principal
 from shared.config import effective_tiers
 
 __all__ = ["JOBS", "setup_jobs"]
@@ -37,7 +37,7 @@ def _lowest_tier_principal(app: web.Application) -> Principal:
 
 
 async def _jobs_ctx(app: web.Application) -> AsyncIterator[None]:
-    from gateway import handlers  # handlers imports gateway.jobs.api: import it once both are loaded
+    from gateway.http import handlers  # handlers imports gateway.jobs.api: import it once both are loaded
 
     config = app[CONFIG]
     store = make_store(config.jobs)

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from gateway import openai_api
+from gateway.pipeline import openai_api
 from gateway.jobs.models import (
     COMPLETION_WINDOW_S,
     KIND_CHAT,
@@ -40,7 +40,7 @@ from gateway.jobs.models import (
 )
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
-from gateway.state import CONFIG, REQUEST_LOG, RESOLVER
+from gateway.http.state import CONFIG, REQUEST_LOG, RESOLVER
 from shared.config import Config, TierConfig
 from shared.errors import ErrorCode, SluiceError
 

@@ -7,28 +7,17 @@ fixture of tests/conftest.py, because these tests kill and restart gateways and 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support.server import REPO_ROOT, SluiceProcess, free_port  # noqa: F401
+
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 300.0
 REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def redis_available() -> bool:
@@ -85,92 +74,16 @@ def batch_lines(num_lines: int, max_tokens: int = 8, prefix: str = "r") -> bytes
     return ("\n".join(lines) + "\n").encode()
 
 
-@dataclass
-class Server:
-    """One ``sluice serve`` process with its config, port and log; restartable on the same config and port."""
+class Server(SluiceProcess):
+    """One ``sluice serve`` process with its config, port and log; restartable on the same config and port; with
+    the JSON calls of the job tests."""
 
-    workdir: Path
-    config_text: str
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen | None = None
-    num_starts: int = 0
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"serve-{self.port}-{self.num_starts}.log"
-
-    def start(self, wait: bool = True) -> "Server":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        config_path = self.workdir / "config.toml"
-        config_path.write_text(self.config_text)
-        self.num_starts += 1
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-        env.update(self.env)
-        with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(self.port)],
-                cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sluice serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if http("GET", self.base_url + "/readyz", timeout_s=2.0)[0] == 200:
-                    return
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sluice serve not ready after {timeout_s} s:\n{self.log_tail()}")
-            time.sleep(0.2)
-
-    def kill9(self) -> None:
-        """SIGKILL the gateway process alone (its local workers die with it: PR_SET_PDEATHSIG)."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-        time.sleep(0.3)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of its process group is left
-        except ProcessLookupError:
-            pass
+    def __init__(self, workdir: Path, config_text: str, env: dict[str, str] | None = None) -> None:
+        super().__init__(config_text, workdir, env=env, start_timeout_s=START_TIMEOUT_S)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:] if self.log_path.exists() else ""
-
-    def log_events(self, event: str) -> list[dict]:
-        """Return the structlog lines named ``event`` from every start of this server."""
-        found = []
-        for path in sorted(self.workdir.glob(f"serve-{self.port}-*.log")):
-            for line in path.read_text(errors="replace").splitlines():
-                if f'"{event}"' in line:
-                    try:
-                        found.append(json.loads(line))
-                    except ValueError:
-                        pass
-        return found
+        """SIGTERM the gateway (SIGKILL after 30 s), then SIGKILL whatever of its process group is left."""
+        super().stop(kill_group=True)
 
     def status(self) -> dict:
         return http("GET", self.base_url + "/status")[2]

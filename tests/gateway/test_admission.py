@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.admission import AdmissionController, TicketState
-from gateway.pressure import PressureLevel, PressureMonitor
+from gateway.admission.controller import AdmissionController
+from gateway.admission.tickets import TicketState
+from gateway.admission.pressure import PressureLevel, PressureMonitor
 from shared.config import (
     AdmissionConfig,
     Config,
@@ -83,6 +84,23 @@ class FakePool:
     def kv_used_fraction(self) -> float:
         total = self.total_kv_blocks()
         return 1.0 - sum(self.free_blocks) / total if total else 0.0
+
+    # The rest of the capacity view, as a pool that reports no slot counts, no per-sequence rates and no cold
+    # starts: its rates count as one worker's.
+    def num_serving_workers(self) -> int:
+        return 1
+
+    def num_starting_workers(self) -> int:
+        return 0
+
+    def total_sequence_slots(self) -> int:
+        return 0
+
+    def starting_sequence_slots(self) -> int:
+        return 0
+
+    def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
+        return None
 
 
 NEVER = PressureLevelConfig(

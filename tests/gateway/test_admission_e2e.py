@@ -18,8 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +25,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import REPO_ROOT, _alive, _child_pids, _free_port, get_json
+from tests.conftest import _alive, _child_pids
+from tests.support.server import ProcessExited, SluiceProcess, free_port, get_json
 from tests.gateway.fake_worker import FakeWorker, FakeWorkers
 
 pytestmark = pytest.mark.slow
@@ -150,68 +149,28 @@ cooldown_s = 1.5
 # ---------------------------------------------------------------------------------------------- processes
 
 
-@dataclass
-class Gateway:
-    base_url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def status(self) -> dict:
-        return get_json(self.base_url + "/status")[1]
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+Gateway = SluiceProcess
 
 
 def _start_gateway(workdir: Path, config_text: str, worker_addresses: list[str] = ()) -> Gateway:
-    config_path = workdir / "config.toml"
-    config_path.write_text(config_text)
-    port = _free_port()
-    log_path = workdir / "serve.log"
-    argv = [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(port)]
-    for address in worker_addresses:
-        argv += ["--worker-address", address]
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(argv, cwd=REPO_ROOT, env=_clean_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    return Gateway(f"http://127.0.0.1:{port}", process, log_path)
+    args = [arg for address in worker_addresses for arg in ("--worker-address", address)]
+    return SluiceProcess(config_text, workdir, args=args, min_ready_workers=0).start(wait=False)
 
 
 def _wait_ready(gateway: Gateway, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if gateway.process.poll() is not None:
-            pytest.fail(f"sluice serve exited with {gateway.process.returncode}:\n{gateway.log_tail()}")
-        try:
-            if get_json(gateway.base_url + "/readyz", timeout_s=2.0)[0] == 200:
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"sluice serve not ready:\n{gateway.log_tail()}")
+    try:
+        gateway.wait_ready(timeout_s)
+    except ProcessExited as exc:
+        pytest.fail(str(exc))
 
 
 def _stop_gateway(gateway: Gateway) -> None:
     """Stop the gateway (SIGTERM, then SIGKILL) and kill any of its workers that outlive it."""
     workers = _child_pids(gateway.process.pid)
-    _stop(gateway.process)
+    gateway.pipeline.stop()
     for pid in workers:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -742,12 +701,9 @@ async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overl
 def health(tmp_path_factory, tokenizer):
     """A gateway over: fake A (silent, biggest KV), fake B (silent), a real sim worker, and a dead address."""
     workdir = tmp_path_factory.mktemp("health")
-    config_path = workdir / "worker.toml"
-    config_path.write_text(HEALTH_CONFIG)
-    sim_port, dead_port = _free_port(), _free_port()
-    sim = subprocess.Popen([sys.executable, "-m", "sluice.cli", "worker", "--listen", f"127.0.0.1:{sim_port}",
-                            "--config", str(config_path), "--worker-id", "sim-0"], cwd=REPO_ROOT, env=_clean_env(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    sim = SluiceProcess(HEALTH_CONFIG, workdir / "sim", command="worker", args=["--worker-id", "sim-0"],
+                        ready="none").start()
+    sim_port, dead_port = sim.port, free_port()
     token_id = tokenizer.encode_text_sync(" hello")[0]
     fakes = FakeWorkers([FakeWorker("fake-a", 3_000_000, token_id=token_id),
                          FakeWorker("fake-b", 2_000_000, token_id=token_id)])
@@ -762,8 +718,8 @@ def health(tmp_path_factory, tokenizer):
                 time.sleep(0.2)
             yield gateway, fakes, sim
         finally:
-            _stop(gateway.process)
-            _stop(sim)
+            gateway.pipeline.stop()
+            sim.stop()
 
 
 def _workers_by_name(status: dict) -> dict[str, dict]:

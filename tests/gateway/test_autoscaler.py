@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.autoscaler import (
+from gateway.fleet.autoscaler import (
     Autoscaler,
     PoolObservation,
     ScaleAction,
@@ -14,7 +14,7 @@ from gateway.autoscaler import (
     WorkerState,
     WorkerView,
 )
-from gateway.pressure import PressureLevel
+from gateway.admission.pressure import PressureLevel
 from shared.config import AutoscaleConfig, PoolConfig
 
 READY, STARTING, DRAINING = WorkerState.READY, WorkerState.STARTING, WorkerState.DRAINING

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.workers.breaker import BreakerState, CircuitBreaker
 
 
 class FakeClock:

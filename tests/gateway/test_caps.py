@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.caps import OutputCapper, effective_max_tokens
-from gateway.pressure import PressureMonitor
+from gateway.admission.caps import OutputCapper, effective_max_tokens
+from gateway.admission.pressure import PressureMonitor
 from shared.config import (
     AdmissionConfig,
     Config,

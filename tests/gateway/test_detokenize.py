@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
+from gateway.pipeline.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 MIXED_TEXT = "Repeat: 霓虹灯 🌶️ 🐱 👨‍👩‍👧 ďábelské Ελληνικά 日本語テキスト, done."
 

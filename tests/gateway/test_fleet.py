@@ -16,30 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import msgspec
 import pytest
 
-from gateway.autoscaler import WorkerState
-from gateway.fleet import Fleet, LocalWorker
+from gateway.fleet.autoscaler import WorkerState
+from gateway.fleet.fleet import Fleet, LocalWorker
 from gateway.metrics import Metrics
-from gateway.pressure import PressureLevel
-from gateway.workers import WorkerClient
+from gateway.admission.pressure import PressureLevel
+from gateway.workers.client import WorkerClient
 from shared.config import Config, effective_tiers
 from shared.errors import ErrorCode, SluiceError
+from tests.support.server import SluiceProcess, wait_for
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
 START_TIMEOUT_S = 180.0
 MODEL = "SmolLM2-135M-Instruct"
@@ -47,128 +40,30 @@ MODEL = "SmolLM2-135M-Instruct"
 SIM_TIME_SCALE = 10
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict | None]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, None
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    env.update(extra)
-    return env
-
-
-class Gateway:
-    """A ``sluice serve`` process with its own config, on a free loopback port."""
+class Gateway(SluiceProcess):
+    """A ``sluice serve`` process with its own config, on a free loopback port; ready once ``/healthz`` answers."""
 
     def __init__(self, config_text: str) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-fleet-")
-        self.dir = Path(self._tmp.name)
-        (self.dir / "config.toml").write_text(config_text)
-        self.log_path = self.dir / "serve.log"
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> Gateway:
-        with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", "serve", "--config", str(self.dir / "config.toml"), "--port",
-                 str(self.port)], cwd=REPO_ROOT, env=clean_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        wait_for(self._up, START_TIMEOUT_S, "the gateway's /healthz")
-        return self
-
-    def _up(self) -> bool:
-        if self.process.poll() is not None:
-            raise AssertionError(f"sluice serve exited with {self.process.returncode}:\n{self.log_tail()}")
-        try:
-            return get_json(self.base_url + "/healthz", 2.0)[0] == 200
-        except OSError:
-            return False
+        super().__init__(config_text, ready="healthz", start_timeout_s=START_TIMEOUT_S)
 
     def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._tmp.cleanup()
-
-    def status(self) -> dict:
-        code, body = get_json(self.base_url + "/status")
-        assert code == 200, code
-        return body
+        self.stop(timeout_s=60)
+        self.close()
 
     def pool(self, name: str) -> dict:
         return self.status()["fleet"]["pools"][name]
 
-    def log_events(self, event: str) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if f'"{event}"' in line:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
 
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-
-class Worker:
+class Worker(SluiceProcess):
     """A ``sluice worker --registry`` process (sim backend) on a free loopback port."""
 
     def __init__(self, prefix: str, worker_id: str, time_scale: float, max_num_seqs: int = 2) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-worker-")
-        self.config_path = Path(self._tmp.name) / "config.toml"
-        self.config_path.write_text(
+        super().__init__(
             f'[worker]\nbackend = "sim"\nmax_num_seqs = {max_num_seqs}\n[sim]\ntime_scale = {time_scale}\n'
             f'kv_cache_gib = 1.0\n[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\n'
-            'heartbeat_ttl_s = 1.0\n')
+            'heartbeat_ttl_s = 1.0\n', command="worker", ready="none",
+            args=["--registry", REDIS_URL, "--worker-id", worker_id])
         self.worker_id = worker_id
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> Worker:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "worker", "--config", str(self.config_path), "--listen",
-             f"127.0.0.1:{self.port}", "--registry", REDIS_URL, "--worker-id", self.worker_id],
-            cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._tmp.cleanup()
 
 
 async def chat(session: aiohttp.ClientSession, base_url: str, content: str, max_tokens: int, *,

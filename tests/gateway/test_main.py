@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
 from gateway.__main__ import parse_args
-from tests.conftest import REPO_ROOT, TEST_CONFIG, _free_port, get_json
+from tests.conftest import TEST_CONFIG
+from tests.support.server import SluiceProcess, get_json
 
 pytestmark = pytest.mark.slow
 
@@ -23,35 +21,13 @@ def test_parse_args_repeatable_worker_address():
     assert args.port == 9 and args.worker_address == ["127.0.0.1:1", "unix:/tmp/x.sock"]
 
 
-def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "gateway exited"
-        try:
-            if get_json(url + "/readyz", timeout_s=2.0)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail("gateway not ready")
-
-
 def test_gateway_serves_through_an_external_worker_and_leaves_it_running(tmp_path):
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(TEST_CONFIG)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    worker_port, gateway_port = _free_port(), _free_port()
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "worker", "--listen", f"127.0.0.1:{worker_port}",
-         "--config", str(config_path)], cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "serve", "--config", str(config_path), "--port", str(gateway_port),
-         "--worker-address", f"127.0.0.1:{worker_port}"], cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{gateway_port}"
+    worker = SluiceProcess(TEST_CONFIG, tmp_path / "worker", command="worker", ready="none").start()
+    gateway = SluiceProcess(TEST_CONFIG, tmp_path / "gateway", args=["--worker-address", f"127.0.0.1:{worker.port}"],
+                            ready="readyz", min_ready_workers=0)
+    worker_port, base_url = worker.port, gateway.base_url
     try:
-        _wait_ready(base_url, gateway)
+        gateway.start()
         body = json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}],
                            "max_tokens": 4}).encode()
         request = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
@@ -60,12 +36,10 @@ def test_gateway_serves_through_an_external_worker_and_leaves_it_running(tmp_pat
             assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] <= 4
         status = get_json(base_url + "/status")[1]
         assert status["local_workers"] == [] and status["workers"][0]["address"] == f"127.0.0.1:{worker_port}"
-        gateway.send_signal(signal.SIGTERM)
-        assert gateway.wait(timeout=30) == 0
+        gateway.process.send_signal(signal.SIGTERM)
+        assert gateway.process.wait(timeout=30) == 0
         time.sleep(0.5)
-        assert worker.poll() is None  # not ours to stop
+        assert worker.process.poll() is None  # not ours to stop
     finally:
-        for process in (gateway, worker):
-            if process.poll() is None:
-                process.terminate()
-                process.wait(timeout=30)
+        gateway.close()
+        worker.close()

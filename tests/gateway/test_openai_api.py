@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import openai_api
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest, decode_body
+from gateway.pipeline import openai_api
+from gateway.pipeline.openai_api import ChatCompletionRequest, CompletionRequest, decode_body
 from shared.errors import ErrorCode, SluiceError
 
 

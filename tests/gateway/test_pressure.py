@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.pressure import PressureLevel, PressureMonitor
+from gateway.admission.pressure import PressureLevel, PressureMonitor
 from shared.config import Config, PressureConfig, PressureLevelConfig, load_config
 
 ELEVATED = PressureLevelConfig(

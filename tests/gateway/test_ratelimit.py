@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.ratelimit import TokenBucketRateLimiter
+from gateway.admission.ratelimit import TokenBucketRateLimiter
 
 
 class FakeClock:

@@ -5,15 +5,15 @@ concurrency), the Redis clock, key hygiene (hashed key, expiry), and counting lo
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 
 import pytest
 from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.redis_ratelimit import RedisRateLimiter, bucket_key
+from gateway.admission.redis_ratelimit import RedisRateLimiter, bucket_key
 from shared.config import RateLimitConfig
+from tests.support.server import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -112,9 +112,7 @@ async def test_bucket_key_hides_the_api_key_and_expires_once_full_again(prefix):
 
 
 async def test_redis_down_counts_locally_and_comes_back(prefix):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens there
     rl = limiter(prefix, url=f"redis://127.0.0.1:{port}/0", retry_s=60.0)
     assert (await rl.try_acquire("k", 2, 0, 1)).allowed
     assert (await rl.try_acquire("k", 2, 0, 1)).allowed

@@ -5,24 +5,20 @@ from the index), a restart under the same id, malformed entries, an unreachable 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from redis import asyncio as aioredis
 
-from gateway.registry import RegistryEventKind, RegistryWatcher
+from gateway.fleet.registry_watch import RegistryEventKind, RegistryWatcher
 from shared.config import RegistryConfig
 from shared.protocol import Hello
-from worker.registry import WorkerRegistration, index_key, registry_keys
+from shared.registry_keys import index_key, registry_keys
+from tests.support.server import SluiceProcess, free_port
+from worker.registry import WorkerRegistration
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 JOIN, LEAVE = RegistryEventKind.JOIN, RegistryEventKind.LEAVE
 
 
@@ -65,17 +61,11 @@ async def test_join_then_clean_leave(prefix):
 
 
 async def test_killed_worker_process_is_dropped_after_its_heartbeat_ttl_and_reaped(prefix, tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config_path = tmp_path / "config.toml"
-    config_path.write_text('[worker]\nbackend = "sim"\n[sim]\nkv_cache_gib = 1.0\n'
-                           f'[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\nheartbeat_ttl_s = 1.0\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "worker", "--config", str(config_path), "--listen", f"127.0.0.1:{port}",
-         "--registry", REDIS_URL, "--worker-id", "doomed"],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = SluiceProcess('[worker]\nbackend = "sim"\n[sim]\nkv_cache_gib = 1.0\n'
+                           f'[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\nheartbeat_ttl_s = 1.0\n',
+                           tmp_path, command="worker", ready="none",
+                           args=["--registry", REDIS_URL, "--worker-id", "doomed"])
+    port, process = worker.port, worker.start().process
     watcher = RegistryWatcher.from_config(config(prefix, heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0))
     try:
         events = []
@@ -141,9 +131,7 @@ async def test_unreachable_redis_keeps_known_workers(prefix):
     registration = WorkerRegistration.from_url(REDIS_URL, hello("a"), "127.0.0.1:9001", config(prefix))
     await registration.start()
     assert len(await watcher.poll_once()) == 1
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens there
     broken = RegistryWatcher.from_config(config(prefix, redis_url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2))
     broken.known.update(watcher.known)
     assert await broken.poll_once() == []

@@ -1,4 +1,4 @@
-"""gateway.spawn: local workers forked from the fork server, or exec'd, are real sim workers over a Unix socket.
+"""gateway.fleet.spawn: local workers forked from the fork server, or exec'd, are real sim workers over a Unix socket.
 
 Each test starts real processes and talks to them with the gateway's own :class:`WorkerClient`.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.spawn import PRELOAD_MODEL, PRELOAD_WORKER, START_METHODS, WorkerSpawner, preload_modules
-from gateway.workers import FIRST_CONNECT_INTERVAL_S, WorkerClient
+from gateway.fleet.spawn import PRELOAD_MODEL, PRELOAD_WORKER, START_METHODS, WorkerSpawner, preload_modules
+from gateway.workers.client import FIRST_CONNECT_INTERVAL_S, WorkerClient
 from shared.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_a_forked_worker_dies_with_a_gateway_that_is_killed():
     script = textwrap.dedent(f"""
         import asyncio, os, sys
         sys.path.insert(0, {str(REPO)!r})
-        from gateway.spawn import WorkerSpawner
+        from gateway.fleet.spawn import WorkerSpawner
 
         async def main():
             spawner = WorkerSpawner("forkserver")

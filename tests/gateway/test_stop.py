@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.stop import StopStringMatcher
+from gateway.pipeline.stop import StopStringMatcher
 
 
 def _run(stops: list[str], pieces: list[str]) -> tuple[list[str], str | None]:

@@ -14,29 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest
 from structlog.testing import capture_logs
 from redis import asyncio as aioredis
 
-from gateway.admission import AdmissionController
-from gateway.tier_counters import TTL_INTERVALS, TierCounters, TierCounts
+from gateway.admission.controller import AdmissionController
+from gateway.admission.tier_counters import TTL_INTERVALS, TierCounters, TierCounts
 from shared.config import Config, RateLimitConfig, RegistryConfig
 from shared.errors import ErrorCode, SluiceError
+from tests.support.server import ProcessExited, SluiceProcess, free_port, wait_for
 from tests.gateway.test_admission import FakeClock, FakePool, make_config, prompt, queued_task, settle, tiers
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
 START_TIMEOUT_S = 180.0
 MODEL = "SmolLM2-135M-Instruct"
@@ -113,9 +107,7 @@ async def test_counts_older_than_the_ttl_are_not_used_when_syncs_stop(prefix):
 
 
 async def test_redis_down_counts_locally_and_logs_once(prefix):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens there
     down = counters(prefix, "gw-a", {"gold": TierCounts(queued=1)}, url=f"redis://127.0.0.1:{port}/0")
     with capture_logs() as logs:
         results = [await down.sync_once() for _ in range(3)]
@@ -167,23 +159,6 @@ async def test_queue_capacity_counts_requests_queued_on_other_gateways():
 # ---------------------------------------------------------------------------------------------- real processes
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, str], bytes]:
     """GET over a new connection (urllib opens one per request)."""
     try:
@@ -193,56 +168,33 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, str], byt
         return exc.code, dict(exc.headers), exc.read()
 
 
-class Gateway:
-    """A ``sluice serve`` process with its own config and log, on ``port``."""
+class Gateway(SluiceProcess):
+    """A ``sluice serve`` process with its own config and log, on ``port``; :meth:`start` does not wait."""
 
     def __init__(self, config_text: str, port: int, *extra_args: str) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-tiers-")
-        self.dir = Path(self._tmp.name)
-        (self.dir / "config.toml").write_text(config_text)
-        self.log_path = self.dir / "serve.log"
-        self.base_url = f"http://127.0.0.1:{port}"
-        self._args = ["--config", str(self.dir / "config.toml"), "--port", str(port), *extra_args]
-        self.process: subprocess.Popen | None = None
+        super().__init__(config_text, port=port, args=extra_args, ready="none", start_timeout_s=START_TIMEOUT_S)
 
     @property
     def gateway_id(self) -> str:
         return f"{socket.gethostname()}-{self.process.pid}"  # the default id: this process's
 
-    def start(self) -> Gateway:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-        with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", *self._args],
-                                            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        return self
-
     def wait_listening(self) -> None:
-        wait_for(lambda: self._alive() and '"gateway_listening"' in self.log_path.read_text(errors="replace"),
-                 START_TIMEOUT_S, "gateway_listening")
+        wait_for(lambda: self._alive() and '"gateway_listening"' in self.log_text(), START_TIMEOUT_S,
+                 "gateway_listening")
 
     def _alive(self) -> bool:
-        if self.process.poll() is not None:
-            raise AssertionError(f"sluice serve exited with {self.process.returncode}:\n{self.log_tail()}")
-        return True
-
-    def status(self) -> dict:
-        code, _, body = http_get(self.base_url + "/status")
-        assert code == 200, code
-        return json.loads(body)
+        try:
+            return self.check_alive()
+        except ProcessExited as exc:
+            raise AssertionError(str(exc)) from None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._tmp.cleanup()
+        super().stop(timeout_s=60)
+        self.close()
 
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
 def test_two_gateways_with_reuse_port_share_one_port_and_both_answer():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tiers import ANONYMOUS_TENANT, TierResolver, load_api_keys
+from gateway.pipeline.classify import ANONYMOUS_TENANT, TierResolver, load_api_keys
 from shared.config import (
     DEFAULT_TIERS,
     AdmissionConfig,

@@ -9,7 +9,6 @@ request, then turn 2 = history + answer + a new user turn) and compares turn 2 w
 from __future__ import annotations
 
 import random
-import socket
 import uuid
 
 import pytest
@@ -25,6 +24,7 @@ from worker.kv_cache.offload.redis_tier import redis_key_prefix
 from worker.model import load_model
 from worker.model_runner import ModelRunner
 from worker.scheduler import Scheduler
+from tests.support.server import free_port
 
 BS = 16
 NUM_NEW_TOKENS = 16
@@ -198,9 +198,7 @@ def test_preempted_sequence_resumes_with_identical_output(model, mode):
 
 
 def test_redis_down_serving_continues_by_recompute_with_metric_and_one_log_line(model):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens there
     kv = KVConfig(host_cache_gib=0, disk_cache_gib=0, redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=0.2,
                   redis_retry_s=0.0)
     engine = make_engine(model, 16, kv)

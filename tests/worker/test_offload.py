@@ -7,7 +7,6 @@ Block data moves through the real :class:`KVBlockIO` over a small KV tensor; Red
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import pytest
@@ -23,6 +22,7 @@ from worker.kv_cache.offload.host import HostTier
 from worker.kv_cache.offload.redis_tier import RedisTier, redis_key_prefix
 from worker.kv_cache.stats import KVStats
 from worker.model_runner import KVBlockIO
+from tests.support.server import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NUM_LAYERS, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM = 2, 8, 2, 4, 8
@@ -44,9 +44,7 @@ def block(block_hash: int, fill: int = 0, expires_at_s: float = float("inf")) ->
 
 
 def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed once the socket is: nothing listens there
+    return free_port()  # nothing listens there
 
 
 @pytest.fixture

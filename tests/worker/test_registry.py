@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,10 +18,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.config import ConfigError, RegistryConfig
 from shared.protocol import Hello, gateway_codec
+from tests.support.server import REPO_ROOT, SluiceProcess, free_port
 from worker.registry import WorkerRegistration, events_channel, index_key, registry_keys, resolve_advertise
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_START_TIMEOUT_S = 120.0
 
 
@@ -36,12 +35,6 @@ def hello(worker_id: str = "w1") -> Hello:
     return Hello(worker_id=worker_id, model_id="m", backend="sim", device="sim:roofline", block_size_tokens=16,
                  num_kv_blocks=100, kv_capacity_tokens=1600, max_num_seqs=8, max_model_len_tokens=4096,
                  attention_backend="sim")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_resolve_advertise():
@@ -87,9 +80,7 @@ async def test_entry_layout_heartbeat_and_clean_deregistration(prefix):
 
 
 async def test_first_registration_failure_raises():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens there
     config = RegistryConfig(key_prefix="unused", timeout_s=0.3)
     registration = WorkerRegistration.from_url(f"redis://127.0.0.1:{port}/0", hello(), "127.0.0.1:1", config)
     with pytest.raises(RedisConnectionError):
@@ -98,14 +89,11 @@ async def test_first_registration_failure_raises():
 
 
 def start_worker(tmp_path: Path, prefix: str, port: int, *extra: str) -> subprocess.Popen:
-    config_path = tmp_path / "config.toml"
-    config_path.write_text('[worker]\nbackend = "sim"\n[sim]\nkv_cache_gib = 1.0\n'
-                           f'[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\nheartbeat_ttl_s = 1.0\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "worker", "--config", str(config_path), "--listen",
-         f"127.0.0.1:{port}", "--registry", REDIS_URL, *extra],
-        cwd=REPO_ROOT, env=env, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT)
+    config_text = ('[worker]\nbackend = "sim"\n[sim]\nkv_cache_gib = 1.0\n'
+                   f'[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\nheartbeat_ttl_s = 1.0\n')
+    worker = SluiceProcess(config_text, tmp_path, command="worker", port=port, ready="none",
+                           args=["--registry", REDIS_URL, *extra])
+    return worker.start().process
 
 
 async def test_sluice_worker_process_registers_serves_its_advertised_address_and_deregisters(prefix, tmp_path):

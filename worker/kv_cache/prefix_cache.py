@@ -1,61 +1,17 @@
-"""Chained hashes of full KV blocks and the map from hash to the block that holds that content.
+"""The map from chain hash to the KV block that holds that content (hashes: :mod:`shared.prefix_hash`).
 
-Block ``i`` of a sequence (tokens ``[i * block_size, (i + 1) * block_size)``) is named by a hash chained over
-everything before it, so equal hashes mean equal prefixes (vLLM automatic prefix caching; SGLang RadixAttention
-shares the same idea with a tree)::
-
-    h0 = H(None, tokens[0:B])      h1 = H(h0, tokens[B:2B])      h2 = H(h1, tokens[2B:3B]) ...
-
-``H`` is BLAKE2b with an 8-byte digest over the msgpack encoding of ``(parent_hash, token_ids)``: stable across
-processes and machines (Python's ``hash`` is salted per process), so a chain hash can key blocks in Redis.
-A lookup also compares the stored ``(parent_hash, token_ids)`` of the block with the query, so a collision of
-the 64-bit block hash never serves another conversation's KV. Two different whole prefixes whose chains collide
-at the parent hash *and* share the block's tokens would still match: probability about ``2**-64`` per pair.
+A lookup compares the stored ``(parent_hash, token_ids)`` of the block with the query, so a collision of the 64-bit
+block hash never serves another conversation's KV. Two different whole prefixes whose chains collide at the parent
+hash *and* share the block's tokens would still match: probability about ``2**-64`` per pair.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-import msgspec
+from shared.prefix_hash import hash_block_tokens, hash_token_blocks
 
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Return the 64-bit chain hash of one full block.
-
-    Args:
-        parent_hash: chain hash of the previous block, None for the first block of a sequence.
-        token_ids: ``[block_size]`` token ids of this block.
-    """
-    payload = _ENCODER.encode((parent_hash, list(token_ids)))
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
-
-
-def hash_token_blocks(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
-                      known_hashes: Sequence[int] = ()) -> list[int]:
-    """Return the chain hashes of the leading full blocks of ``token_ids``.
-
-    Args:
-        token_ids: ``[num_tokens]`` token ids.
-        block_size: tokens per block.
-        num_blocks: hash at most this many blocks (default: every full block).
-        known_hashes: hashes of the first blocks already computed (reused, not recomputed).
-
-    Returns:
-        ``[min(num_blocks, num_tokens // block_size)]`` hashes.
-    """
-    num_full = len(token_ids) // block_size
-    if num_blocks is not None:
-        num_full = min(num_full, num_blocks)
-    hashes = list(known_hashes[:num_full])
-    parent = hashes[-1] if hashes else None
-    for block_idx in range(len(hashes), num_full):
-        parent = hash_block_tokens(parent, token_ids[block_idx * block_size:(block_idx + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+__all__ = ["PrefixCache", "hash_block_tokens", "hash_token_blocks"]
 
 
 class PrefixCache:

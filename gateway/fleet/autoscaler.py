@@ -16,7 +16,7 @@ through the registry serve the pool but are never started, stopped or counted ag
    ``autoscale.demand_window_s`` w (or over a tenth of it, when higher: a burst beginning), admitted or not — needs
    more workers than are ready or starting, at each worker's measured service rate and
    ``autoscale.target_utilisation``, when it may be served within the window plus the pool's
-   ``target_queue_wait_s`` T: ``ceil(work ÷ (rate × target × (w + T)))`` (``gateway.fleet``; a burst the queue
+   ``target_queue_wait_s`` T: ``ceil(work ÷ (rate × target × (w + T)))`` (``gateway.fleet.fleet``; a burst the queue
    absorbs within T starts no worker). Start the difference at once, without
    waiting for a queue to build (the load-proportional rule of Knative's autoscaler: desired pods = observed load ÷
    target load per pod) — also while the pool's first workers are still starting, so a burst that grows during a
@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.pressure import PressureLevel
+from gateway.admission.pressure import PressureLevel
 from shared.config import AutoscaleConfig, PoolConfig
 
 # Cold starts averaged into the estimate (the most recent ones).

@@ -1,6 +1,6 @@
 """Per-key RPM/TPM limits kept in Redis, so several gateways share one key's buckets (issue 7).
 
-The same two token buckets as :class:`gateway.ratelimit.TokenBucketRateLimiter` (one request token, ``tokens``
+The same two token buckets as :class:`gateway.admission.ratelimit.TokenBucketRateLimiter` (one request token, ``tokens``
 tokens; each bucket holds one minute of its limit and refills continuously; an oversize request goes through a full
 bucket and leaves it in debt), but refilled, checked and debited by one Lua script that Redis runs atomically, so
 concurrent gateways never both spend the last token. Time is the Redis server's ``TIME``, one clock for every
@@ -24,7 +24,7 @@ import structlog
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.ratelimit import RateDecision, RateLimiter, TokenBucketRateLimiter
+from gateway.admission.ratelimit import RateDecision, RateLimiter, TokenBucketRateLimiter
 from shared.config import RateLimitConfig
 
 log = structlog.get_logger("sluice.gateway")

@@ -32,13 +32,17 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from gateway.admission import AdmissionController, Ticket
-from gateway.detokenize import IncrementalDetokenizer
+from gateway.admission.controller import AdmissionController
+from gateway.admission.tickets import Ticket
+from gateway.pipeline.detokenize import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.stop import StopStringMatcher
-from gateway.tiers import Principal
-from gateway.tokenize import Tokenizer
-from gateway.workers import RequestStream, Reservation, WorkerClient, WorkerPool
+from gateway.pipeline.stop import StopStringMatcher
+from gateway.pipeline.classify import Principal
+from gateway.pipeline.tokenize import Tokenizer
+from gateway.workers.client import WorkerClient
+from gateway.workers.pool import WorkerPool
+from gateway.workers.reservation import Reservation
+from gateway.workers.stream import RequestStream
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Generate, SamplingParams
 
@@ -76,7 +80,7 @@ class ChoiceState:
     prompt_index: int
     request_id: str
     prompt_tokens: int
-    ticket: Ticket | None = None
+    ticket: Ticket[Reservation] | None = None
     attempt: int = 0
     stream: RequestStream | None = None
     dispatched_at_s: float = 0.0
@@ -90,8 +94,7 @@ class ChoiceState:
 
     @property
     def reservation(self) -> Reservation | None:
-        reservation = self.ticket.reservation if self.ticket is not None else None
-        return reservation if isinstance(reservation, Reservation) else None
+        return self.ticket.reservation if self.ticket is not None else None
 
     @property
     def worker(self) -> WorkerClient | None:
@@ -194,7 +197,7 @@ class Generation:
         for choice in self.choices:
             self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
 
-    async def _admit_together(self, tickets: list[Ticket]) -> None:
+    async def _admit_together(self, tickets: list[Ticket[Reservation]]) -> None:
         tasks = [asyncio.create_task(self.admission.admit(t), name=f"admit-{self.request_id}") for t in tickets]
         try:
             await asyncio.gather(*tasks)
@@ -292,11 +295,12 @@ class Generation:
             sampling=sampling,
             max_tokens=self.max_tokens[choice.prompt_index],
             stop_token_ids=self.tokenizer.eos_token_ids,
-            tier=self.admission.worker_tier(self.tier),
+            tier=self.tier,
             cache_key=self.cache_key,
             deadline_s=self.admission.worker_start_deadline_s(
                 choice.ticket, self.pool.prefill_queue_s or choice.ticket.tier.queue_timeout_s),
             ignore_eos=self.ignore_eos,
+            priority=reservation.priority,
         )
         choice.stream = None
         choice.stream = reservation.worker.start_request(message, reservation)

@@ -6,15 +6,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from gateway.admission import AdmissionController
-from gateway.caps import OutputCapper
-from gateway.fleet import Fleet
-from gateway.local_workers import LocalWorkerProcess
+from gateway.admission.controller import AdmissionController
+from gateway.admission.caps import OutputCapper
+from gateway.fleet.fleet import Fleet
 from gateway.metrics import Metrics
-from gateway.tier_counters import TierCounters
-from gateway.tiers import TierResolver
-from gateway.tokenize import Tokenizer
-from gateway.workers import WorkerPool
+from gateway.admission.tier_counters import TierCounters
+from gateway.pipeline.classify import TierResolver
+from gateway.pipeline.tokenize import Tokenizer
+from gateway.workers.pool import WorkerPool
 from shared.config import Config
 
 
@@ -42,7 +41,6 @@ CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 POOL = web.AppKey("pool", WorkerPool)
-LOCAL_WORKERS = web.AppKey("local_workers", list[LocalWorkerProcess])
 STARTED_AT = web.AppKey("started_at", float)
 RESOLVER = web.AppKey("resolver", TierResolver)
 ADMISSION = web.AppKey("admission", AdmissionController)

@@ -1,6 +1,6 @@
-"""The operator's status page: ``GET /`` and ``GET /dashboard`` serve one static HTML page (issue 8).
+"""The operator's status page: ``GET /`` and ``GET /dashboard`` serve one static HTML page.
 
-The page (``gateway/static/dashboard.html`` with its ``dashboard.js`` and ``dashboard.css``, no build step, no
+The page (``gateway/http/static/dashboard.html`` with its ``dashboard.js`` and ``dashboard.css``, no build step, no
 CDN: it works offline) polls ``/status`` every second and draws pressure, per-tier queues, workers, jobs and
 charts of the last minutes in the browser. Assets are served from ``/dashboard/static/``; the page refers to
 them and to ``status`` by relative URLs, so it works under both routes.

@@ -1,6 +1,6 @@
 """Start local worker processes: forked from a fork server that imported the worker once, or a fresh interpreter.
 
-A cold start is time a request at an empty pool waits, and capacity a burst does not get (issue 7), so it is worth
+A cold start is time a request at an empty pool waits, and capacity a burst does not get, so it is worth
 cutting. A fresh ``python -m sluice.cli worker`` first imports the worker's modules: about 0.25 s of CPU for a sim
 worker, about 2 s more with torch and transformers. Several workers starting at once on a busy gateway machine share
 its cores: on the autoscaling bench (2 cores, the gateway and the load generator busy with a burst) four sim workers
@@ -44,6 +44,8 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
+# Seconds a stopping worker gets between SIGTERM and SIGKILL.
+STOP_GRACE_S = 10.0
 START_METHODS = ("forkserver", "exec")
 # What every worker imports (worker/__main__.py and what build_worker imports for any backend).
 PRELOAD_WORKER = ("worker.__main__", "worker.engine", "worker.kv_cache.manager", "worker.scheduler",
@@ -88,10 +90,10 @@ def run_forked_worker(argv: Sequence[str], env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     atexit._clear()  # the fork server's exit handlers are not this worker's
-    from worker.__main__ import main
+    from sluice.cli import main  # the same entry point as an exec'd worker: the gateway never imports worker/
 
     try:
-        code = main(list(argv))
+        code = main(["worker", *argv])
     finally:
         atexit._run_exitfuncs()  # a multiprocessing child leaves through os._exit: run what the worker registered
     sys.exit(code)

@@ -1,6 +1,6 @@
-"""Watch the Redis worker registry: which remote workers joined, which left (issue 7).
+"""Watch the Redis worker registry: which remote workers joined, which left.
 
-Workers write their entries as ``worker.registry`` describes. A gateway scans the index every ``poll_interval_s``
+Workers write their entries under the keys :mod:`shared.registry_keys` lists. A gateway scans the index every ``poll_interval_s``
 (and at once when the ``events`` channel hints at a join or leave): a worker whose alive key exists is live; one
 whose alive key expired (it stopped heart-beating) or whose entry was deleted (clean exit) has left. A worker that
 restarted under the same id (a new ``incarnation``) leaves and joins again, so the gateway reconnects.
@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from shared.config import RegistryConfig
 from shared.protocol import Hello
-from worker.registry import events_channel, index_key, registry_keys
+from shared.registry_keys import events_channel, index_key, registry_keys
 
 log = structlog.get_logger("sluice.gateway")
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from gateway import openai_api
-from gateway.fleet import Route
-from gateway.generation import FinishEvent, Generation, TextEvent
+from gateway.pipeline import openai_api
+from gateway.fleet.fleet import Route
+from gateway.pipeline.generate import FinishEvent, Generation, TextEvent
 from gateway.jobs.api import defer_shed_request
-from gateway.state import (
+from gateway.http.state import (
     CONFIG,
     FLEET,
     GATEWAY_ID,
@@ -35,8 +35,8 @@ from gateway.state import (
     TIER_COUNTERS,
     TOKENIZER,
 )
-from gateway.tiers import Principal
-from gateway.streaming import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event, text_completion
+from gateway.pipeline.classify import Principal
+from gateway.http.sse import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event, text_completion
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
 
@@ -296,7 +296,7 @@ async def readyz(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """``GET /status``: JSON snapshot of the model, pressure, admission queues per tier, and the workers with
     their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator);
-    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis (``gateway.tier_counters``)."""
+    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis (``gateway.admission.tier_counters``)."""
     app = request.app
     config = app[CONFIG]
     fleet = app[FLEET]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.pressure import PressureMonitor
+from gateway.admission.pressure import PressureMonitor
 from shared.config import Config, effective_tiers
 from shared.errors import ErrorCode, SluiceError
 
@@ -97,7 +97,7 @@ class OutputCapper:
         """Return the effective output budget of one request.
 
         Args:
-            tier: the request's tier name (already resolved, see ``gateway.tiers``).
+            tier: the request's tier name (already resolved, see ``gateway.pipeline.classify``).
             requested_tokens: the client's ``max_tokens`` / ``max_completion_tokens``, or None when omitted/null.
             prompt_tokens: prompt length in tokens.
             param: the request field the value came from, named in a 400.

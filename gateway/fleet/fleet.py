@@ -12,9 +12,9 @@ admission per pool, and degrade routing to a lighter pool (issue 7).
           observe each pool → Autoscaler.tick → spawn `sluice worker` | drain one, stop it once empty
       registry task:  RegistryWatcher.events() → join: connect, add to the pool serving its model
                                                  leave: remove from the pool, close (requests not yet streaming
-                                                 are retried on another worker by gateway.generation)
+                                                 are retried on another worker by gateway.pipeline.generate)
 
-Each pool has its own :class:`~gateway.admission.AdmissionController` over its own workers, so capacity, queues,
+Each pool has its own :class:`~gateway.admission.controller.AdmissionController` over its own workers, so capacity, queues,
 predicted waits and pressure are per pool and model, in KV blocks from that pool's workers' reports: an idle pool
 never hides a saturated one. The per-key rate limiter is one for all pools (a key's limits are the key's, whatever
 model it asks for), in Redis when ``[ratelimit] backend = "redis"`` so that several gateways share it.
@@ -47,8 +47,8 @@ import structlog
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.admission import AdmissionController
-from gateway.autoscaler import (
+from gateway.admission.controller import AdmissionController
+from gateway.fleet.autoscaler import (
     Autoscaler,
     PoolObservation,
     ScaleAction,
@@ -58,13 +58,13 @@ from gateway.autoscaler import (
     WorkerState,
     WorkerView,
 )
-from gateway.caps import OutputCapper
-from gateway.local_workers import STOP_GRACE_S
+from gateway.admission.caps import OutputCapper
 from gateway.metrics import Metrics
-from gateway.pressure import PressureLevel, PressureMonitor
-from gateway.ratelimit import RateLimiter, TokenBucketRateLimiter
-from gateway.spawn import WorkerProcess, WorkerSpawner, preload_modules
-from gateway.workers import FIRST_CONNECT_INTERVAL_S, WorkerClient, WorkerPool
+from gateway.admission.pressure import PressureLevel, PressureMonitor
+from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
+from gateway.fleet.spawn import STOP_GRACE_S, WorkerProcess, WorkerSpawner, preload_modules
+from gateway.workers.client import FIRST_CONNECT_INTERVAL_S, WorkerClient
+from gateway.workers.pool import WorkerPool
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import ErrorCode, SluiceError
 
@@ -163,7 +163,7 @@ class LocalWorker:
         client: the gateway's connection to it.
         spawned_at_s: monotonic time of the spawn.
         state: starting (no Hello yet), ready, draining.
-        process: its process once spawned (``gateway.spawn``: forked by the fork server, or exec'd).
+        process: its process once spawned (``gateway.fleet.spawn``: forked by the fork server, or exec'd).
         stopping: the gateway asked it to exit (a scale-down or shutdown), so its exit is no failure.
         cold_start_s: spawn → Hello in seconds, once it said Hello.
     """
@@ -318,7 +318,7 @@ class Fleet:
     @staticmethod
     def _make_limiter(config: Config) -> RateLimiter:
         if config.ratelimit.backend == "redis":
-            from gateway.redis_ratelimit import RedisRateLimiter
+            from gateway.admission.redis_ratelimit import RedisRateLimiter
 
             return RedisRateLimiter.from_config(config.ratelimit, config.registry.redis_url)
         return TokenBucketRateLimiter()
@@ -327,7 +327,7 @@ class Fleet:
         holder: list[PoolRuntime] = []
         pool = ElasticWorkerPool(pool_config.name, lambda: self._prospective_kv_blocks(holder[0]))
         pool.prefill_queue_s = self.config.admission.worker_prefill_queue_s
-        if self.config.admission.enabled:  # off: the workers see one tier label ("fifo") and prefill in order
+        if self.config.admission.enabled:  # off: every request goes with priority 0, and workers prefill in order
             pool.tier_priorities = {tier.name: tier.priority for tier in effective_tiers(self.config)}
         if capper is None or capper.pressure_monitor is None:
             capper = OutputCapper(self.config, PressureMonitor(self.config.pressure, self._clock))
@@ -365,7 +365,7 @@ class Fleet:
                 self._spawner.warm_up()
             self._loop_task = asyncio.create_task(self._autoscale_loop(), name="autoscale-loop")
         if self.config.registry.redis_url:
-            from gateway.registry import RegistryWatcher
+            from gateway.fleet.registry_watch import RegistryWatcher
 
             self._watcher = RegistryWatcher.from_config(self.config.registry)
             self._registry_task = asyncio.create_task(self._watch_registry(), name="registry-watcher")
@@ -486,7 +486,7 @@ class Fleet:
 
     def _on_arrival(self, runtime: PoolRuntime) -> None:
         """Wake the autoscaler now when the offered load, with the request that just arrived, needs more workers
-        than the pool has ready or starting (rule 3 of ``gateway.autoscaler``: a burst begins), instead of at its
+        than the pool has ready or starting (rule 3 of ``gateway.fleet.autoscaler``: a burst begins), instead of at its
         next tick up to ``autoscale.interval_s`` later. Looks at most every :data:`ARRIVAL_CHECK_INTERVAL_S`."""
         now_s = self._clock()
         if (self._kick.is_set() or not self._may_spawn(runtime)
@@ -541,7 +541,7 @@ class Fleet:
                                runtime.pressure.level, self._utilisation(runtime), self._demand_workers(runtime))
 
     def _demand_workers(self, runtime: PoolRuntime) -> float | None:
-        """Workers the pool's offered load needs (see ``gateway.autoscaler`` rule 3); None without a known rate.
+        """Workers the pool's offered load needs (see ``gateway.fleet.autoscaler`` rule 3); None without a known rate.
 
         The work that arrived over a window of ``w`` seconds may be served within the window plus the pool's
         ``target_queue_wait_s`` T (requests may wait that long in the queue), so it needs
@@ -785,7 +785,7 @@ class Fleet:
         return client
 
     async def _watch_registry(self) -> None:
-        from gateway.registry import RegistryEventKind
+        from gateway.fleet.registry_watch import RegistryEventKind
 
         async for event in self._watcher.events():
             worker = event.worker

@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
     """Turn a stream of token ids into a stream of text pieces, one generation (choice) at a time.
 
     Args:
-        decoder: anything with ``decode(token_ids) -> str`` (:class:`gateway.tokenize.Tokenizer`).
+        decoder: anything with ``decode(token_ids) -> str`` (:class:`gateway.pipeline.tokenize.Tokenizer`).
     """
 
     def __init__(self, decoder: Decoder) -> None:

@@ -1,0 +1,540 @@
+"""Admission control: tiered queues, deadlines, early rejection, reserved shares (DESIGN.md, step 5).
+
+One bounded FIFO queue per tier. A request is dispatched when the capacity view (the gateway's worker pool) finds a
+worker with room for its KV demand — prompt + capped output tokens, in blocks — and below its ``max_num_seqs``.
+Which waiting request goes first is a small policy chosen by name (``admission.order_policy``):
+
+- ``priority_aging``: strict priority with aging. Effective priority = tier priority + seconds waited ×
+  ``aging_rate_per_s``, the classic cure for starvation under priority scheduling (aging, as in Silberschatz,
+  Galvin & Gagne, "Operating System Concepts", CPU scheduling). A low tier still moves; a fresh top-tier request
+  goes ahead of every low-tier request that has not waited long.
+- ``fifo``: arrival order across tiers (the benchmark baseline).
+
+Dispatch is strict: when the request that should go next does not fit on any worker, nobody behind it jumps ahead,
+so freed capacity goes to it first ("starts within one worker step of capacity freeing"). Only a request
+held back by a **reserved share** is stepped over: tier T's ``reserved_kv_fraction`` of the pool's KV blocks and
+its ``reserved_slot_fraction`` of the pool's sequence slots are kept for it, and lower-priority tiers may not take
+the part of them that T is not using — so a top-tier request finds a slot at once even while lower tiers' long
+answers would fill every one.
+
+Shedding, every case an :class:`~shared.errors.SluiceError` with ``retry_after_s`` (integer ≥ 1):
+
+============================  ======  ===================================================================
+cause                         status  when
+============================  ======  ===================================================================
+``rate_limit_exceeded``       429     the API key exceeds its requests/tokens per minute (at arrival)
+``server_overloaded``         503     the pressure level sheds the tier (at arrival, and queued ones)
+``queue_full``                503     the tier's queue holds ``queue_capacity`` requests (at arrival; with tier
+                                      counters in Redis, its queues on all gateways together)
+``predicted_queue_timeout``   503     predicted wait > the tier's deadline (at arrival; Mooncake, FAST'25)
+``queue_timeout``             503     waited past the tier's ``queue_timeout_s`` (timeout circuit breaking)
+``no_worker_available``       503     the capacity view has no worker at all (at arrival)
+``server_draining``           503     the gateway is shutting down
+============================  ======  ===================================================================
+
+Predicted wait (prediction-based early rejection, after Qin et al., "Mooncake: Trading More Storage for Less
+Computation — A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): tokens of work ahead of the request
+— the expected prompt + output tokens of everything queued in its tier and higher tiers — ÷ the drain rate in
+tokens/s. The drain rate is measured where it happens: the expected work admission dispatched while requests were
+held in the queue for lack of room (a backlog: every dispatch then is the workers' capacity freeing), ÷ the serving
+worker-seconds of those backlogged periods over ``admission.rate_window_s``, × the workers serving (and, for an
+elastic pool, starting) now. That is the queue's service rate under load whatever limits it (prefill backlog,
+sequence slots, KV), as in the M/G/c busy-period throughput. The room a worker brings when it joins (a scale-up: its
+first prefill backlog and sequence slots fill at once) is not service, so the dispatch pass that meets a new serving
+worker is left out of the measure. A window with too little backlog in it (``MIN_BACKLOG_WORKER_S``) keeps the last
+per-worker rate it measured: that is a property of the workers, and a pool that was idle or scaled to zero between
+two bursts serves the next one at it (the next backlog measures it anew). Until some backlog has ever been seen, the
+workers' decode + prefill rates from their capacity reports stand in; before those, the plain dispatch rate.
+Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished requests actually
+produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of them ends, however
+little work is queued. So while requests are held because sequence slots or KV blocks are taken, the prediction is
+instead the time until a slot frees for the request: list scheduling of the requests ahead over the admitted
+requests' expected ends, from the workers' per-sequence prefill and decode rates
+(:meth:`~gateway.admission.wait_estimate.WaitEstimator.slot_wait_s`); work ÷ rate stays for a queue held by the prefill backlog limit (idle
+slots) or before those rates are measured. The check runs after the dispatch at arrival, so a request that starts at
+once is never rejected for it.
+``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
+pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
+bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
+[1, ``admission.max_retry_after_s``].
+
+Per request, the gateway calls::
+
+    ticket = controller.make_ticket_for(principal, prompt_token_ids, max_tokens)
+    try:
+        reservation = await controller.admit(ticket)  # waits; raises SluiceError when shed
+        ...send to the worker the reservation names; ticket.queue_wait_s for x-sluice-queue-ms...
+    finally:
+        controller.release(ticket, completion_tokens)  # always; a no-op unless admitted
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic
+
+from gateway.admission.arrival import ArrivalChecks
+from gateway.admission.capacity import CapacityView, ReservationT
+from gateway.admission.order import FifoOrder, make_dispatch_order
+from gateway.admission.pressure import PressureLevel, PressureMonitor
+from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
+from gateway.admission.rates import ServiceRates
+from gateway.admission.tickets import Ticket, TicketState, TierQueue
+from gateway.admission.wait_estimate import WaitEstimator
+from shared.config import Config, effective_tiers, validate_admission_config
+from shared.errors import ErrorCode, SluiceError
+
+if TYPE_CHECKING:
+    from gateway.pipeline.classify import Principal
+
+# The rate-limit key of requests without an API key.
+ANONYMOUS_KEY = "anonymous"
+
+
+class AdmissionController(Generic[ReservationT]):
+    """Tiered admission queues in front of the workers; see the module docstring for the rules.
+
+    Args:
+        config: tiers, admission and pressure settings.
+        view: the worker pool's capacity view.
+        pressure: the pressure monitor shared with output caps; None = a new one from ``config.pressure``.
+        limiter: per-key rate limiter; None = an in-process token bucket.
+        clock: monotonic time in seconds (injectable for tests; must be the event loop's time base in production
+            because deadlines are awaited with real timers).
+
+    Raises:
+        ConfigError: inconsistent tiers/pressure config, or an unknown ``admission.order_policy``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        view: CapacityView[ReservationT],
+        pressure: PressureMonitor | None = None,
+        limiter: RateLimiter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        validate_admission_config(config)
+        self._config = config
+        self._admission = config.admission
+        self._enabled = config.admission.enabled
+        self._view = view
+        self._clock = clock
+        self.pressure = pressure if pressure is not None else PressureMonitor(config.pressure, clock)
+        self._limiter = limiter if limiter is not None else TokenBucketRateLimiter(clock)
+        order_name = config.admission.order_policy if self._enabled else FifoOrder.name
+        self._order = make_dispatch_order(order_name, config.admission.aging_rate_per_s)
+        tiers = sorted(effective_tiers(config), key=lambda tier: -tier.priority)
+        self._queues: dict[str, TierQueue] = {tier.name: TierQueue(tier) for tier in tiers}
+        self._lowest_tier = tiers[-1].name  # for the pressure level: the wait behind every queued request
+        self._ticket_ids = itertools.count(1)
+        self._in_flight: dict[int, Ticket[ReservationT]] = {}  # admitted, not yet released, by ticket id
+        self._rates = ServiceRates(config.admission, view, clock)
+        self._waits = WaitEstimator(config, self._queues, self._in_flight, self._rates, self._order, view,
+                                    self.pressure, clock)
+        self._arrival = ArrivalChecks(config, self._queues, self._waits, self.pressure, view,
+                                      lambda tier: self.queued_elsewhere(tier))
+        self._draining = False
+        self._dispatching = False
+        self._dispatch_requested = False
+        # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``), counted against
+        # the tier's queue_capacity at arrival; the default: this gateway alone
+        self.queued_elsewhere: Callable[[str], int] = lambda tier: 0
+        # called after every arrival is recorded (the offered load grew): the fleet's autoscaler looks at once
+        self.on_arrival: Callable[[], None] | None = None
+
+    # ----------------------------------------------------------------------------------------------- per request
+
+    def make_ticket(
+        self,
+        tier: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        rate_limit_key: str = ANONYMOUS_KEY,
+        rpm_limit: int = 0,
+        tpm_limit: int = 0,
+        avoid: object | None = None,
+    ) -> Ticket[ReservationT]:
+        """Make the admission ticket of one request.
+
+        Args:
+            tier: the tier name (already resolved and possibly lowered, see ``gateway.pipeline.classify``).
+            prompt_token_ids: the tokenized prompt.
+            max_tokens: the capped output budget in tokens (``gateway.admission.caps``), ≥ 1.
+            rate_limit_key, rpm_limit, tpm_limit: the API key's identity and per-minute limits (0 = unlimited).
+            avoid: a worker to skip when another can serve (a retry after a failure before the first byte).
+
+        Raises:
+            KeyError: unknown tier (a bug: tiers are resolved before).
+        """
+        tier_config = self._queues[tier].config
+        block_size = max(1, self._view.block_size_tokens())
+        total_tokens = len(prompt_token_ids) + max_tokens
+        ticket = Ticket(
+            ticket_id=next(self._ticket_ids),
+            tier=tier_config,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=max_tokens,
+            demand_blocks=math.ceil(total_tokens / block_size),
+            rate_limit_key=rate_limit_key,
+            rpm_limit=rpm_limit if self._enabled else 0,
+            tpm_limit=tpm_limit if self._enabled else 0,
+            arrival_s=self._clock(),
+            avoid=avoid,
+        )
+        ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self._rates.output_fraction
+        return ticket
+
+    def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int], max_tokens: int) -> Ticket[ReservationT]:
+        """Make a ticket for a resolved :class:`~gateway.pipeline.classify.Principal` (tier and per-key limits)."""
+        return self.make_ticket(
+            principal.tier.name,
+            prompt_token_ids,
+            max_tokens,
+            rate_limit_key=principal.rate_limit_key,
+            rpm_limit=principal.rpm_limit,
+            tpm_limit=principal.tpm_limit,
+        )
+
+    async def admit(self, ticket: Ticket[ReservationT]) -> ReservationT:
+        """Queue the ticket and wait until a worker has room; return the capacity view's reservation.
+
+        Cancelling the caller (client disconnect) removes the ticket from its queue, or gives its reservation
+        back when it was admitted in the same instant.
+
+        Raises:
+            SluiceError: shed (see the module docstring), always with ``retry_after_s`` ≥ 1.
+            RuntimeError: the ticket was already used.
+        """
+        if ticket.state is not TicketState.NEW:
+            raise RuntimeError(f"ticket {ticket.ticket_id} was already submitted ({ticket.state.value})")
+        queue = self._queues[ticket.tier.name]
+        self._observe_pressure()
+        decision = await self._limiter.try_acquire(
+            ticket.rate_limit_key, ticket.rpm_limit, ticket.tpm_limit, len(ticket.prompt_token_ids) + ticket.max_tokens
+        )
+        if not decision.allowed:
+            limit_name = "requests" if decision.limit == "rpm" else "tokens"
+            self._arrival.reject(
+                ticket,
+                queue,
+                ErrorCode.RATE_LIMIT_EXCEEDED,
+                f"Rate limit reached for {limit_name} per minute on this API key. Retry after the indicated time.",
+                decision.retry_after_s,
+            )
+        self._record_arrival(ticket)
+        timeout_s = (
+            self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
+        )
+        future: asyncio.Future[ReservationT] = asyncio.get_running_loop().create_future()
+        try:
+            self._arrival.check(ticket, queue, self._draining)
+            ticket.enqueued_s = self._clock()
+            ticket.deadline_s = ticket.arrival_s + timeout_s  # the deadline holds from arrival (rate limiter included)
+            ticket.state = TicketState.QUEUED
+            ticket._future = future
+            queue.push(ticket)
+            self._dispatch()
+            if ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection:
+                self._check_predicted_wait(ticket, queue, timeout_s)
+        except SluiceError:
+            await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
+            raise
+        try:
+            while not future.done():
+                remaining_s = ticket.deadline_s - self._clock()
+                if remaining_s <= 0:
+                    self._shed_timed_out(ticket)
+                    break
+                await asyncio.wait((future,), timeout=None if math.isinf(remaining_s) else remaining_s)
+        except asyncio.CancelledError:
+            self._cancel(ticket)
+            raise
+        return future.result()
+
+    def release(self, ticket: Ticket[ReservationT], completion_tokens: int | None = None) -> None:
+        """Give back an admitted ticket's reservation (the request finished, failed or was aborted); re-dispatch.
+
+        Safe to call for any ticket in a ``finally``: a no-op unless the ticket is admitted.
+
+        Args:
+            ticket: the ticket.
+            completion_tokens: output tokens the request produced, to learn how much of ``max_tokens`` answers use.
+        """
+        if ticket.state is not TicketState.ADMITTED:
+            return
+        ticket.state = TicketState.RELEASED
+        self._in_flight.pop(ticket.ticket_id, None)
+        queue = self._queues[ticket.tier.name]
+        queue.num_in_flight -= 1
+        queue.in_flight_blocks -= ticket.demand_blocks
+        if completion_tokens is not None and ticket.max_tokens > 0:
+            self._rates.record_output(completion_tokens, ticket.max_tokens)
+        reservation, ticket.reservation = ticket.reservation, None
+        self._view.release(reservation)
+        self._dispatch()
+
+    def worker_start_deadline_s(self, ticket: Ticket[ReservationT], allowance_s: float) -> float:
+        """Return the ``time.time()`` by which the worker must start the admitted ticket's request, else drop it
+        unstarted (``Generate.deadline_s``): the ticket's queue deadline, or ``allowance_s`` from now when later
+        (the ticket may have used most of its deadline here; the worker holds at most that much prefill work of its
+        tier and above ahead of it, ``admission.worker_prefill_queue_s``). 0 = none (admission off, no deadline).
+
+        Higher tiers dispatched after it overtake it on the worker; under sustained overload a low-tier request
+        could otherwise wait there for tens of seconds, past any deadline.
+        """
+        if not self._enabled or ticket.deadline_s is None or math.isinf(ticket.deadline_s):
+            return 0.0
+        return time.time() + max(ticket.deadline_s - self._clock(), allowance_s)
+
+    def shed_at_worker(self, ticket: Ticket[ReservationT], message: str) -> SluiceError:
+        """The worker dropped the ticket's request unstarted at its start deadline: count a ``queue_timeout`` of
+        its tier and return the 503 to answer, with ``Retry-After`` from the tier's drain rate."""
+        queue = self._queues[ticket.tier.name]
+        queue.num_rejected[ErrorCode.QUEUE_TIMEOUT.value] += 1
+        return SluiceError(ErrorCode.QUEUE_TIMEOUT, message,
+                           retry_after_s=self._waits.clamp_retry_after(self._waits.tier_retry_after_s(queue)))
+
+    def on_capacity_changed(self) -> None:
+        """Re-run dispatch (and shed expired tickets): call when a worker reports capacity or a request ends."""
+        self._observe_pressure()
+        self._dispatch()
+
+    @property
+    def draining(self) -> bool:
+        """Return whether :meth:`start_draining` was called."""
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Stop admitting: shed queued tickets and reject new ones with 503 ``server_draining`` (SIGTERM)."""
+        self._draining = True
+        for queue in self._queues.values():
+            for ticket in list(queue.tickets.values()):
+                self._shed(ticket, ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
+
+    # ----------------------------------------------------------------------------------------------- estimates
+
+    def drain_rate_tokens_per_s(self) -> float:
+        """Return the drain rate of the queues in expected work tokens/s (see the module docstring)."""
+        return self._rates.drain_rate_tokens_per_s()
+
+    def predicted_wait_s(self, tier: str) -> float | None:
+        """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown
+        (see :meth:`WaitEstimator.predicted_wait_s`)."""
+        return self._waits.predicted_wait_s(tier)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
+        dispatch rate; plus the drain rate and the pressure level. For ``/status`` and metrics."""
+        now_s = self._clock()
+        tiers: dict[str, Any] = {}
+        for name, queue in self._queues.items():
+            head = queue.head()
+            predicted_s = self.predicted_wait_s(name)
+            tiers[name] = {
+                "priority": queue.config.priority,
+                "queue_depth": len(queue.tickets),
+                "queue_capacity": queue.config.queue_capacity,
+                "oldest_wait_s": round(now_s - head.enqueued_s, 3) if head and head.enqueued_s is not None else 0.0,
+                "in_flight": queue.num_in_flight,
+                "in_flight_kv_blocks": queue.in_flight_blocks,
+                "admitted": queue.num_admitted,
+                "rejected": dict(queue.num_rejected),
+                "cancelled": queue.num_cancelled,
+                "predicted_wait_s": None if predicted_s is None else round(predicted_s, 3),
+                "dispatch_rate_per_s": round(self._rates.tier_dispatch_rate_per_s(queue, now_s), 3),
+            }
+        return {
+            "enabled": self._enabled,
+            "order_policy": self._order.name,
+            "draining": self._draining,
+            "drain_rate_tokens_per_s": round(self.drain_rate_tokens_per_s(), 1),
+            "expected_output_fraction": round(self._rates.output_fraction, 3),
+            "pressure": self.pressure.snapshot(),
+            "tiers": tiers,
+        }
+
+    # ----------------------------------------------------------------------------------------------- internals
+
+    def _check_predicted_wait(self, ticket: Ticket[ReservationT], queue: TierQueue, timeout_s: float) -> None:
+        """Early rejection of a ticket that the dispatch at its arrival left queued: take it out of the queue and
+        raise 503 ``predicted_queue_timeout`` when its predicted wait exceeds its deadline."""
+        priority = ticket.tier.priority
+        predicted_s = self._waits.predicted_wait_behind_s(
+            priority, self._waits.work_ahead_tokens(priority) - ticket.expected_work_tokens, ticket, ticket.demand_blocks
+        )
+        if predicted_s is None or predicted_s <= timeout_s:
+            return
+        queue.remove(ticket)
+        self._dispatch()  # it may have been the head that held the others back
+        self._arrival.reject(
+            ticket,
+            queue,
+            ErrorCode.PREDICTED_QUEUE_TIMEOUT,
+            f"The predicted queue wait ({predicted_s:.1f} s) exceeds the '{ticket.tier.name}' tier's "
+            f"deadline ({timeout_s:g} s); the server is overloaded.",
+            predicted_s - timeout_s,
+        )
+
+    def _shed(self, ticket: Ticket[ReservationT], code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+        """Take a queued ticket out of its queue and fail its waiter."""
+        queue = self._queues[ticket.tier.name]
+        if not queue.remove(ticket):
+            return
+        ticket.state = TicketState.REJECTED
+        queue.num_rejected[code.value] += 1
+        seconds = self._waits.tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
+        error = SluiceError(code, message, retry_after_s=self._waits.clamp_retry_after(seconds))
+        if ticket._future is not None and not ticket._future.done():
+            ticket._future.set_exception(error)
+
+    def _shed_timed_out(self, ticket: Ticket[ReservationT]) -> None:
+        waited_s = self._clock() - ticket.arrival_s
+        self._shed(
+            ticket,
+            ErrorCode.QUEUE_TIMEOUT,
+            f"The request waited {waited_s:.1f} s in the '{ticket.tier.name}' queue, past its deadline; "
+            "the server is overloaded.",
+        )
+
+    def _shed_expired(self, now_s: float) -> None:
+        for queue in self._queues.values():
+            expired = [t for t in queue.tickets.values() if t.deadline_s is not None and t.deadline_s <= now_s]
+            for ticket in expired:
+                self._shed_timed_out(ticket)
+
+    def _cancel(self, ticket: Ticket[ReservationT]) -> None:
+        """The waiter was cancelled: leave the queue, or give back a reservation granted in the same instant."""
+        if ticket.state is TicketState.QUEUED:
+            queue = self._queues[ticket.tier.name]
+            queue.remove(ticket)
+            queue.num_cancelled += 1
+            ticket.state = TicketState.CANCELLED
+            self._dispatch()  # it may have been the head holding others back
+        elif ticket.state is TicketState.ADMITTED:
+            self.release(ticket)
+            ticket.state = TicketState.CANCELLED
+        if ticket._future is not None:
+            if not ticket._future.done():
+                ticket._future.cancel()
+            elif not ticket._future.cancelled():
+                ticket._future.exception()  # mark retrieved: nobody awaits it any more
+
+    def _dispatch(self) -> None:
+        """Admit queued tickets, best first, while the capacity view finds room (re-entrancy safe)."""
+        if self._dispatching:
+            self._dispatch_requested = True
+            return
+        self._dispatching = True
+        try:
+            self._dispatch_requested = True
+            while self._dispatch_requested:
+                self._dispatch_requested = False
+                self._dispatch_once()
+        finally:
+            self._dispatching = False
+
+    def _record_arrival(self, ticket: Ticket[ReservationT]) -> None:
+        self._rates.record_arrival(ticket.expected_work_tokens)
+        if self.on_arrival is not None:
+            self.on_arrival()
+
+    def arrival_rate_tokens_per_s(self, window_s: float) -> float:
+        """Return the offered load over the last ``window_s`` seconds, expected work tokens/s (see
+        :meth:`ServiceRates.arrival_rate_tokens_per_s`)."""
+        return self._rates.arrival_rate_tokens_per_s(window_s)
+
+    def service_rate_per_worker_tokens_per_s(self) -> float | None:
+        """Return the expected work tokens/s one serving worker drains; None when unknown."""
+        return self._rates.service_rate_per_worker_tokens_per_s()
+
+    def backlog_rate_tokens_per_s(self) -> float | None:
+        """Return the measured service rate per serving worker under backlog, expected work tokens/s; None when
+        none ever was measured."""
+        return self._rates.backlog_rate_tokens_per_s()
+
+    def _dispatch_once(self) -> None:
+        now_s = self._clock()
+        self._shed_expired(now_s)
+        count_service = self._rates.start_pass(now_s)
+        held_back_tiers: set[str] = set()
+        while True:
+            candidates = [
+                head
+                for name, queue in self._queues.items()
+                if name not in held_back_tiers and (head := queue.head()) is not None
+            ]
+            if not candidates:
+                # requests held back only by reserved shares wait for lack of room too (for lower tiers)
+                self._rates.backlogged = bool(held_back_tiers)
+                return
+            best = max(candidates, key=lambda t: (self._order.score(t, now_s), -t.ticket_id))
+            if not self._fits_reserved_shares(best):
+                held_back_tiers.add(best.tier.name)
+                continue
+            reservation = self._view.try_reserve(
+                best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid
+            )
+            if reservation is None:
+                self._rates.backlogged = True
+                return  # strict order: nobody jumps ahead of the request that should go next
+            self._rates.record_dispatch(now_s, best.expected_work_tokens, count_service)
+            self._grant(best, reservation, now_s)
+
+    def _grant(self, ticket: Ticket[ReservationT], reservation: ReservationT, now_s: float) -> None:
+        queue = self._queues[ticket.tier.name]
+        queue.remove(ticket)
+        ticket.state = TicketState.ADMITTED
+        ticket.reservation = reservation
+        ticket.admitted_s = now_s
+        self._in_flight[ticket.ticket_id] = ticket
+        queue.num_in_flight += 1
+        queue.in_flight_blocks += ticket.demand_blocks
+        queue.num_admitted += 1
+        queue.dispatch_times_s.append(now_s)
+        if ticket._future is not None and not ticket._future.done():
+            ticket._future.set_result(reservation)
+
+    def _fits_reserved_shares(self, ticket: Ticket[ReservationT]) -> bool:
+        """Return whether dispatching leaves the unused reserved shares of higher tiers untouched: their
+        ``reserved_kv_fraction`` of the KV blocks and their ``reserved_slot_fraction`` of the sequence slots."""
+        if not self._enabled:
+            return True
+        free_blocks, unused_reserved_blocks = self._waits.free_blocks(ticket.tier.priority)
+        if unused_reserved_blocks > 0 and free_blocks < ticket.demand_blocks:
+            return False
+        free_slots, unused_reserved_slots = self._waits.free_slots(ticket.tier.priority, self._view.total_sequence_slots())
+        return not (unused_reserved_slots > 0 and free_slots < 1)
+
+    def _observe_pressure(self) -> None:
+        """Feed the pressure monitor; when the level starts shedding a tier, shed that tier's queue too."""
+        if not self._enabled:
+            return
+        now_s = self._clock()
+        oldest_wait_s = max(
+            (
+                now_s - head.enqueued_s
+                for q in self._queues.values()
+                if (head := q.head()) is not None and head.enqueued_s is not None
+            ),
+            default=0.0,
+        )
+        predicted_s = self.predicted_wait_s(self._lowest_tier) or 0.0  # behind all queued work, slots included
+        before = self.pressure.level
+        level = self.pressure.observe(max(oldest_wait_s, predicted_s), self._view.kv_used_fraction())
+        if level > before and level is not PressureLevel.NORMAL:
+            for queue in self._queues.values():
+                if self.pressure.sheds(queue.config.name):
+                    for ticket in list(queue.tickets.values()):
+                        self._shed(
+                            ticket,
+                            ErrorCode.SERVER_OVERLOADED,
+                            f"The server is overloaded ({level.label} pressure) and stopped serving the "
+                            f"'{queue.config.name}' tier.",
+                            self._waits.overload_retry_after_s(),
+                        )

@@ -1,0 +1,103 @@
+"""Admission tickets (one per request) and the per-tier queues that hold them."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic
+
+from gateway.admission.capacity import ReservationT
+from shared.config import TierConfig
+
+
+class TicketState(str, enum.Enum):
+    """Where a ticket is in its life."""
+
+    NEW = "new"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class Ticket(Generic[ReservationT]):
+    """One request's place in admission. Made by :meth:`AdmissionController.make_ticket`.
+
+    Attributes:
+        ticket_id: unique and increasing in arrival order.
+        tier: the tier the request is served in.
+        prompt_token_ids: the prompt, for prefix-aware routing.
+        max_tokens: the capped output budget (``gateway.admission.caps``).
+        demand_blocks: KV blocks the request may need: ceil((prompt + max_tokens) ÷ block size).
+        rate_limit_key, rpm_limit, tpm_limit: per-key limits (0 = unlimited).
+        arrival_s: clock time of ``make_ticket``.
+        enqueued_s, deadline_s, admitted_s: clock times, None until they happen.
+        reservation: the capacity view's reservation once admitted.
+        state: see :class:`TicketState`.
+        avoid: a worker the capacity view should skip when another can serve (the worker a retry left).
+        expected_work_tokens: prompt + the output expected from the measured fraction of ``max_tokens`` used, in
+            tokens: what this request adds to the predicted wait of those behind it.
+    """
+
+    ticket_id: int
+    tier: TierConfig
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    demand_blocks: int
+    rate_limit_key: str
+    rpm_limit: int
+    tpm_limit: int
+    arrival_s: float
+    enqueued_s: float | None = None
+    deadline_s: float | None = None
+    admitted_s: float | None = None
+    reservation: ReservationT | None = None
+    state: TicketState = TicketState.NEW
+    avoid: object | None = None
+    expected_work_tokens: float = 0.0
+    _future: asyncio.Future[ReservationT] | None = field(default=None, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Return the prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Return the seconds spent queued (arrival → admission); 0.0 before admission."""
+        return 0.0 if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+
+class TierQueue:
+    """One tier's queue and its counters."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self.tickets: dict[int, Ticket] = {}  # insertion-ordered FIFO with O(1) removal from the middle
+        self.queued_work_tokens = 0.0
+        self.num_in_flight = 0
+        self.in_flight_blocks = 0
+        self.num_admitted = 0
+        self.num_rejected: Counter[str] = Counter()
+        self.num_cancelled = 0
+        self.dispatch_times_s: deque[float] = deque()
+
+    def head(self) -> Ticket | None:
+        return next(iter(self.tickets.values()), None)
+
+    def push(self, ticket: Ticket) -> None:
+        self.tickets[ticket.ticket_id] = ticket
+        self.queued_work_tokens += ticket.expected_work_tokens
+
+    def remove(self, ticket: Ticket) -> bool:
+        if self.tickets.pop(ticket.ticket_id, None) is None:
+            return False
+        self.queued_work_tokens = max(0.0, self.queued_work_tokens - ticket.expected_work_tokens)
+        if not self.tickets:
+            self.queued_work_tokens = 0.0  # no float drift
+        return True

@@ -1,0 +1,189 @@
+"""Predicted queue wait and ``Retry-After``: work ahead ÷ drain rate, or, while requests are held for lack of room,
+the time until a sequence slot frees (list scheduling over the admitted requests' expected ends). The rules are
+in ``gateway.admission.controller``'s module docstring."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from typing import Any
+
+from gateway.admission.capacity import CapacityView
+from gateway.admission.order import DispatchOrder
+from gateway.admission.pressure import PressureMonitor
+from gateway.admission.rates import ServiceRates
+from gateway.admission.tickets import Ticket, TierQueue
+from shared.config import Config
+
+# Queued requests the predicted wait places on sequence slots one by one; the rest count at their mean.
+MAX_SCHEDULED_AHEAD = 256
+
+
+class WaitEstimator:
+    """Predict queue waits from the queues, the admitted requests and the measured rates.
+
+    Args:
+        config: the whole config (``admission.max_retry_after_s``, ``pressure.min_dwell_s``).
+        queues: tier name → queue, highest priority first (shared with the controller, read only here).
+        in_flight: admitted tickets by id (shared with the controller, read only here).
+        rates: the measured rates.
+        order: the dispatch order (who is ahead of whom).
+        view: the pool's capacity view.
+        pressure: the pressure monitor (the dwell left in its level bounds an overload ``Retry-After``).
+        clock: monotonic time in seconds.
+    """
+
+    def __init__(self, config: Config, queues: dict[str, TierQueue], in_flight: dict[int, Ticket[Any]],
+                 rates: ServiceRates, order: DispatchOrder, view: CapacityView[Any], pressure: PressureMonitor,
+                 clock: Callable[[], float]) -> None:
+        self._config = config
+        self._queues = queues
+        self._in_flight = in_flight
+        self._rates = rates
+        self._order = order
+        self._view = view
+        self._pressure = pressure
+        self._clock = clock
+
+    def predicted_wait_s(self, tier: str) -> float | None:
+        """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown.
+
+        While requests are held because slots or KV are taken: the time until a sequence slot frees for it
+        (:meth:`slot_wait_s`); else the work queued in this tier and higher ones ÷ the drain rate.
+        """
+        priority = self._queues[tier].config.priority
+        return self.predicted_wait_behind_s(priority, self.work_ahead_tokens(priority), None, 1)
+
+    def predicted_wait_behind_s(self, priority: int, work_ahead_tokens: float, behind: Ticket[Any] | None,
+                                demand_blocks: int) -> float | None:
+        """Return the predicted wait of a request of tier priority ``priority`` behind ``work_ahead_tokens`` of
+        queued work (``behind``: the request itself when it is queued already); None when unknown."""
+        slot_wait_s = self.slot_wait_s(priority, behind, demand_blocks)
+        if slot_wait_s is not None:
+            return slot_wait_s
+        if work_ahead_tokens <= 0:
+            return 0.0
+        rate = self._rates.drain_rate_tokens_per_s()
+        return work_ahead_tokens / rate if rate > 0 else None
+
+    def slot_wait_s(self, priority: int, behind: Ticket[Any] | None, demand_blocks: int) -> float | None:
+        """Return when a sequence slot frees for a request of tier priority ``priority`` and ``demand_blocks`` KV
+        blocks behind the queued tickets ahead of it (:meth:`queued_ahead`; ``behind``: the request itself when it
+        is queued already), in seconds from now; None where this model
+        does not decide: nothing is held for lack of room, the workers' rates are unknown, or idle slots with KV
+        room remain for everyone ahead (the prefill backlog limit holds the queue: work ÷ rate decides).
+
+        While the last dispatch pass left a request queued for lack of room, a queued request starts when a slot
+        is free for it: one of the pool's idle slots (``CapacityView.total_sequence_slots`` − admitted requests −
+        the unused slots reserved for higher tiers) at once — unless the KV blocks left to it (less the unused
+        shares of higher tiers) cannot hold the next request, which then waits for blocks an ending request
+        frees — or a slot of a worker still starting (``CapacityView.starting_sequence_slots``, counted free now,
+        as the drain rate counts starting workers), else when an admitted request ends. A request holds
+        its slot for its prompt at the prefill rate plus its expected output (``max_tokens`` × the measured output
+        fraction) at the decode rate one running sequence gets (``CapacityView.sequence_rates_tokens_per_s``); the
+        admitted requests' slots free at their admission + that service time (one past its estimate frees "now").
+        List scheduling then gives each request ahead, in order, the slot that frees first, for its own service
+        time, and the request starts when the next slot frees. The first :data:`MAX_SCHEDULED_AHEAD` requests ahead
+        are placed one by one, the rest at their mean service time spread over the slots. Work ÷ rate alone misses
+        this: a full pool of long answers admits nobody until one of them ends, however little work is queued; and
+        it counts a prompt token like an output token, where a prompt costs a small part of an answer's slot time.
+        """
+        if not self._rates.backlogged or not self._in_flight:
+            return None
+        rates = self._view.sequence_rates_tokens_per_s()
+        if rates is None or rates[1] <= 0:
+            return None
+        prefill_tokens_per_s, decode_tokens_per_s = rates
+        ahead = self.queued_ahead(priority, behind)  # sorted: only once the cheap checks above have passed
+        output_fraction = self._rates.output_fraction
+
+        def service_s(ticket: Ticket[Any]) -> float:
+            prefill_s = ticket.prompt_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 0.0
+            return prefill_s + ticket.max_tokens * output_fraction / decode_tokens_per_s
+
+        now_s = self._clock()
+        slots_free_s = [
+            max(0.0, ticket.admitted_s + service_s(ticket) - now_s)
+            for ticket in self._in_flight.values()
+            if ticket.admitted_s is not None
+        ]
+        total_slots = self._view.total_sequence_slots()
+        if total_slots > 0:
+            idle = self.free_slots(priority, total_slots)[0]
+            if self.free_blocks(priority)[0] < (ahead[0].demand_blocks if ahead else demand_blocks):
+                idle = 0  # KV binds: idle slots wait for blocks too
+            idle = max(0, idle) + self._view.starting_sequence_slots()  # coming workers bring their own KV
+            if idle > len(ahead):
+                return None
+            slots_free_s += [0.0] * idle
+        if not slots_free_s:
+            return None
+        heapq.heapify(slots_free_s)
+        for ticket in ahead[:MAX_SCHEDULED_AHEAD]:
+            heapq.heapreplace(slots_free_s, slots_free_s[0] + service_s(ticket))
+        rest = ahead[MAX_SCHEDULED_AHEAD:]
+        rest_s = sum(service_s(ticket) for ticket in rest) / len(slots_free_s) if rest else 0.0
+        return slots_free_s[0] + rest_s
+
+    def free_blocks(self, priority: int) -> tuple[float, float]:
+        """Return (free, unused reserved) KV blocks for a request of tier priority ``priority``: free = the view's
+        total − admitted requests' demand − the unused reserved ones, those that tiers above it keep
+        (``reserved_kv_fraction``) and are not using."""
+        total_blocks = self._view.total_kv_blocks()
+        unused_reserved = sum(
+            max(0.0, queue.config.reserved_kv_fraction * total_blocks - queue.in_flight_blocks)
+            for queue in self._queues.values()
+            if queue.config.priority > priority and queue.config.reserved_kv_fraction > 0
+        )
+        free = total_blocks - sum(queue.in_flight_blocks for queue in self._queues.values()) - unused_reserved
+        return free, unused_reserved
+
+    def free_slots(self, priority: int, total_slots: int) -> tuple[int, int]:
+        """Return (free, unused reserved) sequence slots of ``total_slots`` for a request of tier priority
+        ``priority``: free = those not admitted − the unused reserved ones, those that tiers above it keep
+        (``reserved_slot_fraction``, rounded) and are not using; free may be negative."""
+        unused_reserved = sum(
+            max(0, math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5) - queue.num_in_flight)
+            for queue in self._queues.values()
+            if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0
+        )
+        return total_slots - len(self._in_flight) - unused_reserved, unused_reserved
+
+    def work_ahead_tokens(self, priority: int) -> float:
+        """Return the expected work tokens queued in tiers of at least ``priority``."""
+        return sum(q.queued_work_tokens for q in self._queues.values() if q.config.priority >= priority)
+
+    def queued_ahead(self, priority: int, behind: Ticket[Any] | None = None) -> list[Ticket[Any]]:
+        """Return the queued tickets of tiers with at least ``priority``, best first (the dispatch order now),
+        ``behind`` itself left out."""
+        now_s = self._clock()
+        tickets = [
+            ticket
+            for queue in self._queues.values()
+            if queue.config.priority >= priority
+            for ticket in queue.tickets.values()
+            if ticket is not behind
+        ]
+        tickets.sort(key=lambda t: (-self._order.score(t, now_s), t.ticket_id))
+        return tickets
+
+    # ------------------------------------------------------------------------------------------- Retry-After
+
+    def tier_retry_after_s(self, queue: TierQueue) -> float:
+        """Seconds until the work queued in this tier and above drains at the measured rate (else the deadline)."""
+        rate = self._rates.drain_rate_tokens_per_s()
+        if rate <= 0:
+            return queue.config.queue_timeout_s
+        return self.work_ahead_tokens(queue.config.priority) / rate
+
+    def overload_retry_after_s(self) -> float:
+        """Seconds until all queued work drains at the measured rate, at least the pressure level's dwell left."""
+        rate = self._rates.drain_rate_tokens_per_s()
+        total_work = self.work_ahead_tokens(min(q.config.priority for q in self._queues.values()))
+        drain_s = total_work / rate if rate > 0 else self._config.pressure.min_dwell_s
+        return max(drain_s, self._pressure.seconds_until_may_step_down())
+
+    def clamp_retry_after(self, seconds: float) -> int:
+        """Return ``seconds`` as a ``Retry-After``: whole seconds in [1, ``admission.max_retry_after_s``]."""
+        return int(min(self._config.admission.max_retry_after_s, max(1, math.ceil(seconds))))

@@ -1,0 +1,269 @@
+"""The workers of one pool as admission sees them: the capacity view and the router.
+
+:class:`WorkerPool` is the admission controller's :class:`~gateway.admission.capacity.CapacityView` (DESIGN.md, step 6):
+a worker may take a request when it is connected, not draining, its circuit breaker lets a request through, it
+runs fewer than ``max_num_seqs`` of this gateway's requests and the KV blocks not yet promised to requests cover
+the new one's demand (prompt + capped output). Among those, the one holding the longest cached prefix of the
+prompt wins (a gateway-side index of the prompt blocks recently sent to each worker; session affinity falls out of
+it), then the one with the most free KV.
+
+A worker also takes no new request while the prompts already sent to it and not yet started (no first token), of
+the request's tier or a higher one, hold more than ``prefill_queue_s`` seconds of prefill work at its measured
+prefill rate (one such prompt is always allowed). Lower tiers' prompts do not count: the worker's scheduler
+prefills higher tiers first (``worker.scheduler``), so a vip request overtakes them there. The backlog then waits in the gateway's tier queues, where priority, deadlines and early rejection act,
+instead of in the worker's FIFO, where they cannot: Mooncake (FAST'25) and SGLang's router keep the same rule of
+a short per-instance queue behind a global scheduler.
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Callable
+
+import msgspec
+
+from gateway.workers.breaker import BreakerState, CircuitBreaker
+from gateway.workers.client import WorkerClient
+from gateway.workers.reservation import Reservation
+from shared.config import BreakerConfig
+from shared.prefix_hash import hash_token_blocks
+
+
+class WorkerPool:
+    """The workers this gateway serves from: the admission controller's capacity view and the router.
+
+    Args:
+        clients: one per worker.
+        on_change: called whenever capacity may have changed (a capacity report, Hello, a lost connection, a
+            released reservation); the app points it at ``AdmissionController.on_capacity_changed``.
+    """
+
+    def __init__(self, clients: list[WorkerClient], on_change: Callable[[], None] | None = None,
+                 prefill_queue_s: float = 0.0) -> None:
+        self.clients = clients
+        self.prefill_queue_s = prefill_queue_s  # see the module docstring; 0 = no prefill backlog limit
+        # tier name → priority, as the workers order prefills; {} = every tier alike (the FIFO baseline)
+        self.tier_priorities: dict[str, int] = {}
+        self._reservation_ids = itertools.count(1)
+        self._known_prefill_tokens_per_s = 0.0
+        self.on_change = on_change
+        for client in clients:
+            client.on_change = self._changed
+
+    @classmethod
+    def make_breaker(cls, config: BreakerConfig) -> CircuitBreaker:
+        """Return a new breaker with the configured threshold and cooldown."""
+        return CircuitBreaker(config.failure_threshold, config.cooldown_s)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def ready_clients(self) -> list[WorkerClient]:
+        return [c for c in self.clients if c.ready]
+
+    @property
+    def is_ready(self) -> bool:
+        return any(c.ready for c in self.clients)
+
+    def max_model_len_tokens(self, configured_tokens: int) -> int:
+        """Return the context length: the config's, lowered to what the ready workers announce."""
+        lengths = [c.hello.max_model_len_tokens for c in self.ready_clients() if c.hello is not None]
+        return min([configured_tokens, *lengths])
+
+    def known_prefill_tokens_per_s(self) -> float:
+        """Return the prefill rate, tokens/s, to assume for a worker that has measured none yet: the mean over
+        the workers that have, else the last such mean (kept through a scale to zero); 0.0 = never measured.
+
+        Workers of one pool run the same model on the same kind of device, so a worker that just started prefills
+        at about its siblings' rate. Without it, the backlog limit would not hold for the first capacity reports
+        of a new worker, and a burst that meets a cold start would be sent to the new worker whole, past the
+        tier queues where priority, deadlines and early rejection act.
+        """
+        rates = [c.prefill_tokens_per_s for c in self.clients if c.prefill_tokens_per_s > 0]
+        if rates:
+            self._known_prefill_tokens_per_s = sum(rates) / len(rates)
+        return self._known_prefill_tokens_per_s
+
+    # ------------------------------------------------------------------ CapacityView
+
+    def _serving_clients(self) -> list[WorkerClient]:
+        """Ready workers whose breaker is not open (closed, or half-open and able to probe soon)."""
+        return [c for c in self.ready_clients() if c.breaker.state is not BreakerState.OPEN]
+
+    def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int],
+                    avoid: object | None = None) -> Reservation | None:
+        """Pick a worker for a request and hold ``demand_blocks`` KV blocks and one sequence slot on it.
+
+        Args:
+            demand_blocks: KV blocks the request may need (prompt + capped output).
+            tier: the request's tier (not used for the choice today).
+            prompt_token_ids: the prompt, to find the worker with the longest cached prefix.
+            avoid: a worker (:class:`WorkerClient`) to skip while another ready worker with an available breaker
+                exists: a retry goes to another worker when there is one.
+
+        Returns:
+            The reservation, or None when no worker has room now.
+        """
+        num_prompt_tokens = len(prompt_token_ids)
+        priority = self.tier_priorities.get(tier, 0)
+        fallback_rate = self.known_prefill_tokens_per_s() if self.prefill_queue_s > 0 else 0.0
+        candidates = [c for c in self.clients
+                      if c.can_take(demand_blocks, num_prompt_tokens, self.prefill_queue_s, priority, fallback_rate)]
+        if avoid is not None and any(c is not avoid and c.ready and c.breaker.available() for c in self.clients):
+            candidates = [c for c in candidates if c is not avoid]
+        if not candidates:
+            return None
+        hashes_by_block_size: dict[int, list[int]] = {}
+
+        def rank(client: WorkerClient) -> tuple[int, int, int]:
+            block_size = client.block_size_tokens
+            if block_size not in hashes_by_block_size:
+                hashes_by_block_size[block_size] = hash_token_blocks(prompt_token_ids, block_size)
+            cached = client.cached_prefix_blocks(hashes_by_block_size[block_size])
+            free = client.total_kv_blocks - client.committed_kv_blocks
+            return cached, free, -client.num_reserved
+
+        best = max(candidates, key=rank)
+        if not best.breaker.allow_request():
+            return None
+        best.num_reserved += 1
+        best.reserved_blocks += demand_blocks
+        block_hashes = hashes_by_block_size.get(best.block_size_tokens)
+        if block_hashes is None:
+            block_hashes = hash_token_blocks(prompt_token_ids, best.block_size_tokens)
+        prefill_tokens = max(1, num_prompt_tokens - best.cached_prefix_blocks(block_hashes) * best.block_size_tokens)
+        reservation = Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes,
+                                  prefill_tokens=prefill_tokens, priority=priority)
+        best.hold_prefill(reservation)
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back a reservation; a request that ended without a breaker verdict counts as abandoned."""
+        worker = reservation.worker
+        worker.num_reserved -= 1
+        worker.reserved_blocks -= reservation.demand_blocks
+        worker.prefill_started(reservation)
+        if not reservation.verdict_given:
+            worker.breaker.on_abandoned()
+
+    def num_serving_workers(self) -> int:
+        """Return the ready workers whose breaker is not open."""
+        return len(self._serving_clients())
+
+    def num_starting_workers(self) -> int:
+        """Return workers that will serve soon without having said Hello yet (none in a fixed pool)."""
+        return 0
+
+    def total_kv_blocks(self) -> int:
+        """Return the KV blocks of ready workers whose breaker is not open; 0 = no worker can serve."""
+        return sum(c.total_kv_blocks for c in self._serving_clients())
+
+    def total_sequence_slots(self) -> int:
+        """Return ``max_num_seqs`` summed over ready workers whose breaker is not open."""
+        return sum(c.hello.max_num_seqs for c in self._serving_clients() if c.hello is not None)
+
+    def block_size_tokens(self) -> int:
+        """Return tokens per KV block (the first ready worker's; 16 before any said Hello)."""
+        ready = self.ready_clients()
+        return ready[0].block_size_tokens if ready else 16
+
+    def drain_rate_tokens_per_s(self) -> float:
+        """Return the rate at which the workers work off prompt + output tokens, summed over serving workers.
+
+        Per worker: its measured prefill + decode tokens/s. Both are tokens per second of the same busy steps
+        (a step prefills prompt chunks and decodes running sequences together), so their sum is the work done per
+        busy second. 0.0 when nothing is measured yet.
+        """
+        total = 0.0
+        for client in self._serving_clients():
+            capacity = client.capacity
+            if capacity is not None:
+                total += capacity.prefill_tokens_per_s + capacity.decode_tokens_per_s
+        return total
+
+    def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:
+        """Return (prefill, decode) tokens/s that one running sequence gets on a busy serving worker now.
+
+        Per busy worker (one that reported running sequences and a measured decode rate): prefill at the worker's
+        prompt tokens per second of its prefilling steps (``Capacity.sequence_prefill_tokens_per_s``, else its
+        prefill rate per busy second); decode at its measured decode steps per second (``Capacity.
+        sequence_decode_tokens_per_s``: a decode step advances every running sequence by one token), or, from a
+        worker that does not report it, its decode tokens/s ÷ its running sequences. Each is the mean over those
+        workers (prefill 0.0 when no busy worker has measured it). Admission turns these into how long an admitted
+        request holds its sequence slot. None when no busy worker has measured its decode rate.
+        """
+        prefill_rates, decode_rates = [], []
+        for client in self._serving_clients():
+            capacity = client.capacity
+            if capacity is None or capacity.num_running <= 0 or capacity.decode_tokens_per_s <= 0:
+                continue
+            decode_rates.append(capacity.sequence_decode_tokens_per_s
+                                or capacity.decode_tokens_per_s / capacity.num_running)
+            prefill = capacity.sequence_prefill_tokens_per_s or capacity.prefill_tokens_per_s
+            if prefill > 0:
+                prefill_rates.append(prefill)
+        if not decode_rates:
+            return None
+        prefill = sum(prefill_rates) / len(prefill_rates) if prefill_rates else 0.0
+        return prefill, sum(decode_rates) / len(decode_rates)
+
+    def kv_used_fraction(self) -> float:
+        """Return committed ÷ total KV blocks over serving workers (reservations or reported use, the larger)."""
+        clients = self._serving_clients()
+        total = sum(c.total_kv_blocks for c in clients)
+        return sum(min(c.committed_kv_blocks, c.total_kv_blocks) for c in clients) / total if total else 0.0
+
+    # ------------------------------------------------------------------ breaker verdicts and routing memory
+
+    def dispatched(self, reservation: Reservation) -> None:
+        """Remember that the reservation's prompt was sent to its worker (prefix-aware routing)."""
+        reservation.worker.remember_prefix(reservation.block_hashes)
+
+    def record_success(self, reservation: Reservation) -> None:
+        """The worker served the request (first token or a clean answer): tell its breaker once."""
+        if not reservation.verdict_given:
+            reservation.verdict_given = True
+            reservation.worker.breaker.on_success()
+
+    def record_failure(self, reservation: Reservation) -> None:
+        """The worker failed or timed out on the request: count it against its breaker."""
+        reservation.verdict_given = True
+        reservation.worker.breaker.on_failure()
+        self._changed()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for client in self.clients:
+            client.start()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+    def status(self) -> list[dict]:
+        """Return a JSON-ready snapshot of every worker (for ``/status``)."""
+        now_s = time.time()
+        return [
+            {
+                "name": c.name,
+                "address": c.address,
+                "ready": c.ready,
+                "backend": c.backend,
+                "simulator": c.backend == "sim",
+                "breaker": c.breaker.snapshot(),
+                "in_flight": c.num_in_flight,
+                "reservations": c.num_reserved,
+                "pending_prefill": c.num_pending_prefill,
+                "reserved_kv_blocks": c.reserved_blocks,
+                "connections": c.num_connections,
+                "hello": msgspec.structs.asdict(c.hello) if c.hello else None,
+                "capacity": msgspec.structs.asdict(c.capacity) if c.capacity else None,
+                "capacity_age_s": round(now_s - c.capacity_at_s, 3) if c.capacity else None,
+            }
+            for c in self.clients
+        ]

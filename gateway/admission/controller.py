@@ -319,6 +319,15 @@ class AdmissionController(Generic[ReservationT]):
 
     # ----------------------------------------------------------------------------------------------- estimates
 
+    @property
+    def lowest_tier(self) -> str:
+        """Return the name of the tier of the lowest priority (its predicted wait is behind all queued work)."""
+        return self._lowest_tier
+
+    def num_queued(self) -> int:
+        """Return the requests queued in every tier."""
+        return sum(len(queue.tickets) for queue in self._queues.values())
+
     def drain_rate_tokens_per_s(self) -> float:
         """Return the drain rate of the queues in expected work tokens/s (see the module docstring)."""
         return self._rates.drain_rate_tokens_per_s()

@@ -50,6 +50,9 @@ class RateLimiter(abc.ABC):
     async def refund(self, key: str, tokens: int) -> None:
         """Give back one request and ``tokens`` tokens counted by ``try_acquire`` (the request was not served)."""
 
+    async def close(self) -> None:
+        """Release the limiter's connections, if it holds any (nothing for an in-process limiter)."""
+
 
 class _Bucket:
     __slots__ = ("requests", "tokens", "updated_s")

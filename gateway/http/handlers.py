@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.pipeline import openai_api
-from gateway.fleet.fleet import Route
+from gateway.fleet.pools import Route
 from gateway.pipeline.generate import FinishEvent, Generation, TextEvent
 from gateway.jobs.api import defer_shed_request
 from gateway.http.state import (

@@ -167,6 +167,10 @@ class WorkerPool:
         """Return ``max_num_seqs`` summed over ready workers whose breaker is not open."""
         return sum(c.hello.max_num_seqs for c in self._serving_clients() if c.hello is not None)
 
+    def starting_sequence_slots(self) -> int:
+        """Return the sequence slots of workers still starting: 0 (a fixed pool has no cold starts)."""
+        return 0
+
     def block_size_tokens(self) -> int:
         """Return tokens per KV block (the first ready worker's; 16 before any said Hello)."""
         ready = self.ready_clients()

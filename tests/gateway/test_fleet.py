@@ -25,7 +25,8 @@ import msgspec
 import pytest
 
 from gateway.fleet.autoscaler import WorkerState
-from gateway.fleet.fleet import Fleet, LocalWorker
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.pools import LocalWorker
 from gateway.metrics import Metrics
 from gateway.admission.pressure import PressureLevel
 from gateway.workers.client import WorkerClient
@@ -466,7 +467,7 @@ async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
     now = [1000.0]
     fleet = sim_pool_fleet(now, DEMAND_AUTOSCALE)
     runtime = fleet.runtimes["sim"]
-    assert fleet._demand_workers(runtime) is None  # no service rate known yet
+    assert fleet.scaling.demand_workers(runtime) is None  # no service rate known yet
     runtime.service_rate_per_worker_tokens_per_s = 100.0  # as admission last measured it
     for _ in range(2):  # two arrivals of 100 tokens of expected work each; no worker: both are rejected
         with pytest.raises(SluiceError):
@@ -474,11 +475,11 @@ async def test_offered_load_is_measured_over_the_demand_window_and_its_tenth():
     # the burst is seen over the 1 s window: its 200 tokens of work may be served within the window and the pool's
     # target queue wait (2 s) at 100 tokens/s per worker
     assert runtime.config.target_queue_wait_s == 2.0
-    assert fleet._demand_workers(runtime) == pytest.approx(200 / (100 * (1 + 2)))
+    assert fleet.scaling.demand_workers(runtime) == pytest.approx(200 / (100 * (1 + 2)))
     now[0] += 2.0  # past the short window: the 10 s window still holds the workers
-    assert fleet._demand_workers(runtime) == pytest.approx(200 / (100 * (10 + 2)))
+    assert fleet.scaling.demand_workers(runtime) == pytest.approx(200 / (100 * (10 + 2)))
     now[0] += 9.0
-    assert fleet._demand_workers(runtime) == 0.0
+    assert fleet.scaling.demand_workers(runtime) == 0.0
 
 
 async def test_a_pool_scaled_to_zero_steps_its_pressure_down_through_the_idle_gap():
@@ -512,19 +513,19 @@ async def test_an_arrival_that_needs_more_workers_wakes_the_autoscaler_at_once()
 
     try:
         await arrive()  # no worker at all: one is needed
-        assert fleet._kick.is_set()
-        fleet._kick.clear()
+        assert fleet.scaling.kick_event.is_set()
+        fleet.scaling.kick_event.clear()
         client = WorkerClient("unix:/nonexistent/ready", "sim-0")
         runtime.local["w0"] = LocalWorker("sim", 0, "w0", "/nonexistent/ready", None, client, now[0],
                                           WorkerState.READY)
         await arrive()  # within ARRIVAL_CHECK_INTERVAL_S of the last look: not looked at
-        assert not fleet._kick.is_set()
+        assert not fleet.scaling.kick_event.is_set()
         now[0] += 0.1
         await arrive()  # 300 tokens in the 1 s panic window ÷ (100 tokens/s × (1 s + 2 s)): one worker does
-        assert not fleet._kick.is_set()
+        assert not fleet.scaling.kick_event.is_set()
         now[0] += 0.1
         await arrive()  # 400 tokens: 1.33 workers, one is ready
-        assert fleet._kick.is_set()
+        assert fleet.scaling.kick_event.is_set()
     finally:
         for task in waiting:
             task.cancel()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.fleet.fleet import ElasticWorkerPool
+from gateway.fleet.pools import ElasticWorkerPool
 from gateway.workers.client import MIN_PREFILL_BUDGET_TOKENS, WorkerClient
 from gateway.workers.pool import WorkerPool
 from shared.protocol import Capacity, Finished, Generate, Hello, SamplingParams, TokenDelta
@@ -190,7 +190,7 @@ def test_sequence_rates_come_from_busy_workers_only():
 
 
 def test_an_elastic_pool_counts_the_slots_its_starting_workers_bring():
-    from gateway.fleet.fleet import ElasticWorkerPool
+    from gateway.fleet.pools import ElasticWorkerPool
 
     pool = ElasticWorkerPool("sim")
     starting = WorkerClient("unix:/nonexistent/s", "s")  # no Hello yet: starting

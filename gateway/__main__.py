@@ -29,7 +29,7 @@ import structlog
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.http.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
+from gateway.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.config import ConfigError, load_config, with_overrides
 
 log = structlog.get_logger("sluice.gateway")

@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, the error ladder, and every resource as a ``cleanup_ctx``.
+"""The aiohttp application: every resource as a ``cleanup_ctx``, the routes and the error middleware.
 
 Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
 metrics → tokenizer (thread pool) → the fleet (``gateway.fleet.fleet``: pools of workers — local processes under the
@@ -7,15 +7,7 @@ its capacity) → the tier counters shared with other gateways through Redis (``
 requests count against each tier's ``queue_capacity``). The tier resolver and the output capper are built with the
 app (they only read the config), so a bad tiers / keys config fails at start.
 
-The error ladder (one middleware):
-
-- :class:`SluiceError` → its status with the OpenAI envelope (``Retry-After`` when it has one);
-- aiohttp's HTTP errors (404, 405, 413 body too large …) → the same envelope;
-- ``CancelledError`` (the client went away; ``handler_cancellation`` is on) → counted as 499 and re-raised;
-- anything else → 500 ``internal_error``, logged with the request id (a bug: bad input never gets here).
-
-Every response carries ``x-sluice-gateway: <gateway id>`` (set when it is prepared, streams included), so a client
-behind several gateways sharing a port (``gateway.reuse_port``) or a load balancer sees who answered.
+Routes and the error ladder are in ``gateway.http``.
 """
 
 from __future__ import annotations
@@ -24,18 +16,20 @@ import asyncio
 import os
 import socket
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 import structlog
 from aiohttp import web
 
-from gateway.http import dashboard, handlers
+from gateway.http.middleware import add_gateway_header, error_middleware
+from gateway.http.routes import add_routes, setup_cors
+from gateway.pipeline.request import RequestPipeline
 from gateway.admission.caps import OutputCapper
 from gateway.fleet.fleet import Fleet
 from gateway.jobs import setup_jobs
 from gateway.metrics import Metrics
 from gateway.admission.pressure import PressureMonitor
-from gateway.http.state import (
+from gateway.state import (
     ADMISSION,
     CAPPER,
     CONFIG,
@@ -44,8 +38,7 @@ from gateway.http.state import (
     RESOLVER,
     METRICS,
     OPTIONS,
-    REQUEST_ID,
-    REQUEST_LOG,
+    PIPELINE,
     POOL,
     STARTED_AT,
     TIER_COUNTERS,
@@ -56,97 +49,8 @@ from gateway.admission.tier_counters import TierCounters, TierCountersCollector,
 from gateway.pipeline.classify import TierResolver
 from gateway.pipeline.tokenize import Tokenizer
 from shared.config import resolve_model_path
-from shared.errors import ErrorCode, SluiceError, error_envelope
 
 log = structlog.get_logger("sluice.gateway")
-
-CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request", for metrics and logs only
-
-_HTTP_STATUS_TO_CODE = {
-    404: ErrorCode.NOT_FOUND,
-    405: ErrorCode.METHOD_NOT_ALLOWED,
-    413: ErrorCode.BODY_TOO_LARGE,
-}
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json_error(error: SluiceError, request_id: str) -> web.Response:
-    headers = {"x-request-id": request_id}
-    if error.retry_after_s is not None:
-        headers["Retry-After"] = str(int(error.retry_after_s))
-    return web.json_response(error.envelope(), status=error.status, headers=headers)
-
-
-def _http_error(exc: web.HTTPException, request: web.Request, request_id: str) -> web.Response:
-    code = _HTTP_STATUS_TO_CODE.get(exc.status)
-    if code is ErrorCode.BODY_TOO_LARGE:
-        limit = request.app[CONFIG].gateway.max_body_bytes
-        message = f"the request body exceeds the limit of {limit} bytes"
-    elif code is ErrorCode.NOT_FOUND:
-        message = f"no route for {request.method} {request.path}"
-    elif code is ErrorCode.METHOD_NOT_ALLOWED:
-        message = f"method {request.method} is not allowed on {request.path}"
-    else:
-        code = ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL
-        message = exc.reason
-    envelope = error_envelope(code, message)
-    headers = {"x-request-id": request_id}
-    if exc.status == 405 and "Allow" in exc.headers:
-        headers["Allow"] = exc.headers["Allow"]
-    return web.json_response(envelope, status=exc.status, headers=headers)
-
-
-def _endpoint(request: web.Request) -> str:
-    """Return the route's canonical path (a bounded label set), or "unmatched"."""
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Assign the request id, map every failure to the OpenAI envelope, count and log the request."""
-    request_id = handlers.new_request_id()
-    request[REQUEST_ID] = request_id
-    request[REQUEST_LOG] = {}
-    started_s = time.perf_counter()
-    status = 500
-    try:
-        try:
-            response = await handler(request)
-        except SluiceError as exc:
-            request[REQUEST_LOG].setdefault("error_code", exc.code.value)
-            response = _json_error(exc, request_id)
-        except web.HTTPException as exc:
-            response = _http_error(exc, request, request_id)
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED_STATUS
-            request[REQUEST_LOG]["outcome"] = "client_disconnected"
-            raise
-        except ConnectionError:
-            status = CLIENT_CLOSED_STATUS
-            request[REQUEST_LOG]["outcome"] = "client_disconnected"
-            raise
-        except Exception:
-            log.exception("internal_error", request_id=request_id, method=request.method, path=request.path)
-            response = _json_error(SluiceError(ErrorCode.INTERNAL, f"internal error (request id {request_id})"),
-                                   request_id)
-        if not response.prepared:
-            response.headers.setdefault("x-request-id", request_id)
-        status = response.status
-        return response
-    finally:
-        endpoint = _endpoint(request)
-        request.app[METRICS].requests.labels(endpoint, str(status)).inc()
-        if endpoint.startswith("/v1/") or status >= 400:
-            duration_ms = round((time.perf_counter() - started_s) * 1000, 2)
-            log.info("request", request_id=request_id, method=request.method, path=request.path, status=status,
-                     duration_ms=duration_ms, **request[REQUEST_LOG])
-
-
-async def _add_gateway_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: say which gateway answers (every response, streams included)."""
-    response.headers["x-sluice-gateway"] = request.app[GATEWAY_ID]
 
 
 # ---------------------------------------------------------------------- resources (cleanup_ctx)
@@ -180,6 +84,7 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     app[FLEET] = fleet
     app[POOL] = fleet.default.pool
     app[ADMISSION] = fleet.default.admission
+    app[PIPELINE] = RequestPipeline(config, fleet, app[TOKENIZER], metrics)
     metrics.attach_state(fleet.admission_snapshot, fleet.worker_status)
     fleet.start()
     yield
@@ -226,31 +131,11 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     if metrics is not None:
         app[METRICS] = metrics
     app.cleanup_ctx.extend([_metrics_ctx, _tokenizer_ctx, _workers_ctx, _tier_counters_ctx])
-    app.on_response_prepare.append(_add_gateway_header)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/v1/models/{model}", handlers.model)
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/health", handlers.healthz)  # vLLM's and TGI's path: a drop-in for their health checks
-    app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_get("/status", handlers.status)
-    app.router.add_get("/metrics", handlers.metrics)
-    dashboard.add_routes(app.router)  # GET / and /dashboard: the status page
+    app.on_response_prepare.append(add_gateway_header)
+    add_routes(app)
     setup_jobs(app)  # /v1/jobs, /v1/files, /v1/batches and the jobs resource (store + runner), last: stops first
     if config.gateway.cors_allow_origins:
-        _setup_cors(app, config.gateway.cors_allow_origins)
+        setup_cors(app, config.gateway.cors_allow_origins)
     return app
 
 
-def _setup_cors(app: web.Application, origins: tuple[str, ...]) -> None:
-    """Answer CORS preflights and add CORS headers on every route for ``origins`` (``aiohttp_cors``): any method
-    and request header, every response header exposed (``Retry-After``, ``x-sluice-*``), no credentials."""
-    import aiohttp_cors
-
-    options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",
-                                           allow_methods="*")
-    cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
-    for route in list(app.router.routes()):
-        if route.method != "HEAD":  # aiohttp adds HEAD beside GET; the GET route's preflight covers the resource
-            cors.add(route)

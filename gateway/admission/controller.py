@@ -324,6 +324,10 @@ class AdmissionController(Generic[ReservationT]):
         """Return the name of the tier of the lowest priority (its predicted wait is behind all queued work)."""
         return self._lowest_tier
 
+    def queue_depths(self) -> dict[str, int]:
+        """Return the requests queued per tier, by tier name."""
+        return {name: len(queue.tickets) for name, queue in self._queues.items()}
+
     def num_queued(self) -> int:
         """Return the requests queued in every tier."""
         return sum(len(queue.tickets) for queue in self._queues.values())

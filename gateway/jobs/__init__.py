@@ -1,6 +1,6 @@
 """Async jobs: the native job API, the OpenAI Files + Batch APIs, a durable store and the idle-capacity runner.
 
-DESIGN.md, Gateway → Async jobs; issue 6. The app calls :func:`setup_jobs` once, at the end of ``build_app``:
+DESIGN.md, Gateway → Async jobs. The app calls :func:`setup_jobs` once, at the end of ``build_app``:
 it adds the routes and one ``cleanup_ctx`` (opened after the workers, so closed before them) that opens the store
 (``[jobs] store``: SQLite file or Redis), starts the runner, and on shutdown puts running jobs back in the queue.
 
@@ -19,8 +19,8 @@ from aiohttp import web
 from gateway.jobs.api import JOBS, JobsService, setup_job_routes
 from gateway.jobs.batches import finalize_batch, setup_batch_routes
 from gateway.jobs.runner import JobRunner, PoolIdleCapacity
-from gateway.jobs.store import make_store
-from gateway.http.state import ADMISSION, CONFIG, POOL
+from gateway.jobs.stores import make_store
+from gateway.state import ADMISSION, CONFIG, PIPELINE, POOL
 from gateway.pipeline.classify import Principal
 from shared.config import effective_tiers
 
@@ -37,19 +37,17 @@ def _lowest_tier_principal(app: web.Application) -> Principal:
 
 
 async def _jobs_ctx(app: web.Application) -> AsyncIterator[None]:
-    from gateway.http import handlers  # handlers imports gateway.jobs.api: import it once both are loaded
-
     config = app[CONFIG]
     store = make_store(config.jobs)
     await store.open()
     principal = _lowest_tier_principal(app)
 
     async def execute(kind: str, body: bytes, request_id: str, on_admitted: Callable[[], None]) -> dict[str, Any]:
-        return await handlers.run_completion(app, kind, body, principal=principal, request_id=request_id,
-                                             on_admitted=on_admitted)
+        return await app[PIPELINE].run_completion(kind, body, principal=principal, request_id=request_id,
+                                                  on_admitted=on_admitted)
 
     def queue_depths() -> dict[str, int]:
-        return {name: tier["queue_depth"] for name, tier in app[ADMISSION].snapshot()["tiers"].items()}
+        return app[ADMISSION].queue_depths()
 
     service: JobsService | None = None
 

@@ -40,7 +40,7 @@ from gateway.jobs.models import (
 )
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
-from gateway.http.state import CONFIG, REQUEST_LOG, RESOLVER
+from gateway.state import CONFIG, REQUEST_LOG, RESOLVER
 from shared.config import Config, TierConfig
 from shared.errors import ErrorCode, SluiceError
 

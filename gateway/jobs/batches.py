@@ -72,7 +72,7 @@ from gateway.jobs.models import (
     output_file_id,
 )
 from gateway.jobs.store import TooManyJobsError
-from gateway.http.state import REQUEST_LOG
+from gateway.state import REQUEST_LOG
 from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 

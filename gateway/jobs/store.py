@@ -20,11 +20,9 @@ Guarantees every implementation keeps:
 from __future__ import annotations
 
 import abc
-import os
 from typing import Any
 
 from gateway.jobs.models import Batch, FileRecord, Job
-from shared.config import JobsConfig
 
 
 class TooManyJobsError(Exception):
@@ -190,26 +188,3 @@ class JobStore(abc.ABC):
     @abc.abstractmethod
     async def purge(self, now_s: float) -> int:
         """Delete finished jobs, final batches and files whose retention ended; return how many records went."""
-
-
-def default_sqlite_path() -> str:
-    """Return the SQLite file used when ``jobs.sqlite_path`` is empty: ``$XDG_STATE_HOME/sluice/jobs.sqlite3``."""
-    state_home = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state_home, "sluice", "jobs.sqlite3")
-
-
-def make_store(config: JobsConfig) -> JobStore:
-    """Return the store ``config.store`` names (not opened yet).
-
-    Raises:
-        ValueError: an unknown store name (the config's ``Literal`` normally prevents it).
-    """
-    if config.store == "sqlite":
-        from gateway.jobs.sqlite_store import SqliteJobStore
-
-        return SqliteJobStore(config.sqlite_path or default_sqlite_path())
-    if config.store == "redis":
-        from gateway.jobs.redis_store import RedisJobStore
-
-        return RedisJobStore(config.redis_url, config.redis_key_prefix)
-    raise ValueError(f"jobs.store: unknown store {config.store!r}; valid: sqlite, redis")

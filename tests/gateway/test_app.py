@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.app import build_app
-from gateway.http.state import GatewayOptions
+from gateway.state import GatewayOptions
 from shared.config import Config, with_overrides
 
 MODEL = Config().model.name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.http.sse import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event
+from gateway.pipeline.responses import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event
 from shared.errors import ErrorCode, SluiceError
 
 

@@ -1,6 +1,6 @@
 """OpenAI response shapes: SSE chunks (``chat.completion.chunk`` / ``text_completion``) and whole responses.
 
-SSE exactly as OpenAI sends it (BC06, BC07, BC08, BC36)::
+SSE exactly as OpenAI sends it::
 
     data: {chunk: choices[i].delta = {"role": "assistant", "content": ""}}     first chunk of every chat choice
     data: {chunk: delta {"content": "..."}, finish_reason null}                 ...
@@ -55,7 +55,7 @@ class ChunkFactory:
                 "choices": choices}
 
     def role(self, index: int) -> bytes:
-        """Return the first chunk of a chat choice: the assistant role with empty content (BC36)."""
+        """Return the first chunk of a chat choice: the assistant role with empty content."""
         return sse_event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
 

@@ -12,6 +12,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.metrics import Metrics
 from gateway.admission.tier_counters import TierCounters
 from gateway.pipeline.classify import TierResolver
+from gateway.pipeline.request import RequestPipeline
 from gateway.pipeline.tokenize import Tokenizer
 from gateway.workers.pool import WorkerPool
 from shared.config import Config
@@ -45,9 +46,10 @@ STARTED_AT = web.AppKey("started_at", float)
 RESOLVER = web.AppKey("resolver", TierResolver)
 ADMISSION = web.AppKey("admission", AdmissionController)
 CAPPER = web.AppKey("capper", OutputCapper)
-FLEET = web.AppKey("fleet", Fleet)  # pools, local and registry workers, autoscaler (issue 7)
+FLEET = web.AppKey("fleet", Fleet)  # pools, local and registry workers, autoscaler
+PIPELINE = web.AppKey("pipeline", RequestPipeline)  # the completion request steps, for HTTP and jobs
 GATEWAY_ID = web.AppKey("gateway_id", str)  # ``x-sluice-gateway`` on every response
-TIER_COUNTERS = web.AppKey("tier_counters", TierCounters)  # per-tier counts of all gateways, via Redis (issue 7)
+TIER_COUNTERS = web.AppKey("tier_counters", TierCounters)  # per-tier counts of all gateways, via Redis
 
 REQUEST_ID = web.RequestKey("request_id", str)
 REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

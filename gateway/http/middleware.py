@@ -1,0 +1,118 @@
+"""The error ladder, one middleware:
+
+- :class:`SluiceError` → its status with the OpenAI envelope (``Retry-After`` when it has one);
+- aiohttp's HTTP errors (404, 405, 413 body too large …) → the same envelope;
+- ``CancelledError`` (the client went away; ``handler_cancellation`` is on) → counted as 499 and re-raised;
+- anything else → 500 ``internal_error``, logged with the request id (a bug: bad input never gets here).
+
+Every response carries ``x-sluice-gateway: <gateway id>`` (set when it is prepared, streams included), so a client
+behind several gateways sharing a port (``gateway.reuse_port``) or a load balancer sees who answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from gateway.state import CONFIG, GATEWAY_ID, METRICS, REQUEST_ID, REQUEST_LOG
+from shared.errors import ErrorCode, SluiceError, error_envelope
+
+log = structlog.get_logger("sluice.gateway")
+
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request", for metrics and logs only
+
+_HTTP_STATUS_TO_CODE = {
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.BODY_TOO_LARGE,
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json_error(error: SluiceError, request_id: str) -> web.Response:
+    headers = {"x-request-id": request_id}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(int(error.retry_after_s))
+    return web.json_response(error.envelope(), status=error.status, headers=headers)
+
+
+def _http_error(exc: web.HTTPException, request: web.Request, request_id: str) -> web.Response:
+    code = _HTTP_STATUS_TO_CODE.get(exc.status)
+    if code is ErrorCode.BODY_TOO_LARGE:
+        limit = request.app[CONFIG].gateway.max_body_bytes
+        message = f"the request body exceeds the limit of {limit} bytes"
+    elif code is ErrorCode.NOT_FOUND:
+        message = f"no route for {request.method} {request.path}"
+    elif code is ErrorCode.METHOD_NOT_ALLOWED:
+        message = f"method {request.method} is not allowed on {request.path}"
+    else:
+        code = ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL
+        message = exc.reason
+    envelope = error_envelope(code, message)
+    headers = {"x-request-id": request_id}
+    if exc.status == 405 and "Allow" in exc.headers:
+        headers["Allow"] = exc.headers["Allow"]
+    return web.json_response(envelope, status=exc.status, headers=headers)
+
+
+def _endpoint(request: web.Request) -> str:
+    """Return the route's canonical path (a bounded label set), or "unmatched"."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Assign the request id, map every failure to the OpenAI envelope, count and log the request."""
+    request_id = new_request_id()
+    request[REQUEST_ID] = request_id
+    request[REQUEST_LOG] = {}
+    started_s = time.perf_counter()
+    status = 500
+    try:
+        try:
+            response = await handler(request)
+        except SluiceError as exc:
+            request[REQUEST_LOG].setdefault("error_code", exc.code.value)
+            response = _json_error(exc, request_id)
+        except web.HTTPException as exc:
+            response = _http_error(exc, request, request_id)
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED_STATUS
+            request[REQUEST_LOG]["outcome"] = "client_disconnected"
+            raise
+        except ConnectionError:
+            status = CLIENT_CLOSED_STATUS
+            request[REQUEST_LOG]["outcome"] = "client_disconnected"
+            raise
+        except Exception:
+            log.exception("internal_error", request_id=request_id, method=request.method, path=request.path)
+            response = _json_error(SluiceError(ErrorCode.INTERNAL, f"internal error (request id {request_id})"),
+                                   request_id)
+        if not response.prepared:
+            response.headers.setdefault("x-request-id", request_id)
+        status = response.status
+        return response
+    finally:
+        endpoint = _endpoint(request)
+        request.app[METRICS].requests.labels(endpoint, str(status)).inc()
+        if endpoint.startswith("/v1/") or status >= 400:
+            duration_ms = round((time.perf_counter() - started_s) * 1000, 2)
+            log.info("request", request_id=request_id, method=request.method, path=request.path, status=status,
+                     duration_ms=duration_ms, **request[REQUEST_LOG])
+
+
+async def add_gateway_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: say which gateway answers (every response, streams included)."""
+    response.headers["x-sluice-gateway"] = request.app[GATEWAY_ID]
+
+
+def new_request_id() -> str:
+    """Return a new request id (32 hex digits)."""
+    return uuid.uuid4().hex

@@ -1,0 +1,82 @@
+"""The operational endpoints: models, health, readiness, ``/status`` and Prometheus ``/metrics``."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, POOL, STARTED_AT, TIER_COUNTERS
+from shared.errors import ErrorCode, SluiceError
+
+
+def _dumps(payload: object) -> str:
+    return msgspec.json.encode(payload).decode()
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the served models, one per pool (the first pool's first)."""
+    names = request.app[FLEET].model_names()
+    return web.json_response({"object": "list", "data": [_model_card(request.app, name) for name in names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``."""
+    name = request.match_info["model"]
+    request.app[FLEET].runtime_for_model(name)  # 404 model_not_found naming the served models
+    return web.json_response(_model_card(request.app, name))
+
+
+def _model_card(app: web.Application, name: str) -> dict:
+    config = app[CONFIG]
+    pool = app[FLEET].runtime_for_model(name).pool
+    return {"id": name, "object": "model", "created": int(app[STARTED_AT]), "owned_by": "sluice",
+            "max_model_len": pool.max_model_len_tokens(config.model.max_model_len_tokens)}
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz`` (and ``GET /health``, the path vLLM and TGI serve): the process is up."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: 200 once a worker said Hello — or when a pool scales from zero and can start one (requests
+    wait through its cold start) — else 503 (also while draining, so balancers stop sending)."""
+    fleet = request.app[FLEET]
+    if fleet.draining:
+        raise SluiceError(ErrorCode.DRAINING, "the gateway is shutting down", retry_after_s=1)
+    clients = [client for runtime in fleet.runtimes.values() for client in runtime.pool.clients]
+    ready = sum(1 for client in clients if client.ready)
+    if not fleet.is_ready():
+        raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready yet", retry_after_s=1)
+    return web.json_response({"status": "ready", "ready_workers": ready, "workers": len(clients)})
+
+
+async def status(request: web.Request) -> web.Response:
+    """``GET /status``: JSON snapshot of the model, pressure, admission queues per tier, and the workers with
+    their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator);
+    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis (``gateway.admission.tier_counters``)."""
+    app = request.app
+    config = app[CONFIG]
+    fleet = app[FLEET]
+    admission = fleet.admission_snapshot()
+    return web.json_response({
+        "model": config.model.name,
+        "pressure": admission["pressure"],
+        "admission": admission,
+        "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),
+        "active_requests": app[METRICS].num_active_requests,
+        "uptime_s": round(time.time() - app[STARTED_AT], 3),
+        "workers": fleet.worker_status(),
+        "local_workers": fleet.local_worker_status(),
+        "fleet": fleet.snapshot(),
+        "gateway_id": app[GATEWAY_ID],
+        "fleet_tiers": app[TIER_COUNTERS].snapshot(),  # per tier summed over the gateways sharing Redis
+    }, dumps=_dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format."""
+    return web.Response(body=request.app[METRICS].render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

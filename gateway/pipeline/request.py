@@ -1,0 +1,240 @@
+"""The request pipeline: parse → classify → tokenize → cap → admit → generate → respond, one implementation that
+the HTTP handlers (``gateway.http.completions``) and the async job runner (``gateway.jobs``) both call.
+
+::
+
+    parse(kind, body bytes)            OpenAI schema (400), served model (404), unsupported fields (400)
+    classify                           HTTP: API key, tier header, service_tier → Principal; jobs: the lowest tier
+    tokenize(kind, body)               chat template or prompts, off the event loop
+    plan(kind, body, principal, …)     n, stop strings, route to a pool, cap max_tokens → a Generation
+    admit(plan)                        cold-start check, tiered queues (429/503 with Retry-After)
+    plan.generation.start()            Generate to the reserved workers; TextEvent / FinishEvent out
+    respond: collect(plan)             the chat.completion / text_completion object (HTTP streams it as SSE instead)
+    close(plan)                        abort what still runs on a worker, give every reservation back
+
+Validation and admission finish before any byte of a response is sent, so bad input or a shed request is a JSON
+error, never an SSE stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.pools import Route
+from gateway.metrics import Metrics
+from gateway.pipeline import openai_api
+from gateway.pipeline.classify import Principal
+from gateway.pipeline.generate import FinishEvent, Generation
+from gateway.pipeline.responses import chat_completion, text_completion
+from gateway.pipeline.tokenize import Tokenizer
+from shared.config import Config
+from shared.errors import ErrorCode, SluiceError
+from shared.protocol import SamplingParams
+
+MAX_PROMPTS_PER_REQUEST = 64
+
+Kind = Literal["chat", "completion"]
+OpenAIRequest = openai_api.ChatCompletionRequest | openai_api.CompletionRequest
+
+
+@dataclass
+class Plan:
+    """One request after validation, tokenization, routing and capping: ready to admit.
+
+    Attributes:
+        kind: ``chat`` or ``completion``.
+        request_id: the id the request carries to the workers and into the response id.
+        body: the parsed request.
+        principal: who asks, in which tier.
+        route: the pool that serves it (its tier's degrade pool under pressure).
+        prompt_ids: ``[num_prompts][prompt tokens]`` token ids.
+        caps: the output cap of each prompt (``gateway.admission.caps``).
+        generation: its choices' runs on workers.
+        arrival_s: ``time.perf_counter()`` when the request arrived.
+    """
+
+    kind: Kind
+    request_id: str
+    body: OpenAIRequest
+    principal: Principal
+    route: Route
+    prompt_ids: list[list[int]]
+    caps: list[Any]
+    generation: Generation
+    arrival_s: float
+
+    @property
+    def model_name(self) -> str:
+        """Return the model that answers (the degrade pool's when the request was degraded)."""
+        return self.route.runtime.config.model_name
+
+    @property
+    def response_id(self) -> str:
+        """Return the OpenAI response id: ``chatcmpl-<request id>`` or ``cmpl-<request id>``."""
+        return f"chatcmpl-{self.request_id}" if self.kind == "chat" else f"cmpl-{self.request_id}"
+
+
+class RequestPipeline:
+    """The steps of one completion request, shared by HTTP and async jobs.
+
+    Args:
+        config: the whole config (gateway limits, model context).
+        fleet: the pools (routing, cold starts, admission per pool).
+        tokenizer: the served model's tokenizer.
+        metrics: the gateway's metrics (token counts, timings of every generation).
+    """
+
+    def __init__(self, config: Config, fleet: Fleet, tokenizer: Tokenizer, metrics: Metrics) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    def parse(self, kind: Kind, raw_body: bytes) -> OpenAIRequest:
+        """Decode and validate a request body against its OpenAI schema; check that its model is served.
+
+        Raises:
+            SluiceError: 400 for a malformed or unsupported request, 404 ``model_not_found``.
+        """
+        schema = openai_api.ChatCompletionRequest if kind == "chat" else openai_api.CompletionRequest
+        body = openai_api.decode_body(raw_body, schema)
+        self.fleet.runtime_for_model(body.model)  # 404 model_not_found naming the served models
+        openai_api.check_unsupported(body)
+        return body
+
+    async def tokenize(self, kind: Kind, body: OpenAIRequest) -> list[list[int]]:
+        """Return the prompts' token ids: the chat template applied to the messages, or the completion prompts
+        (strings tokenized, token ids checked).
+
+        Raises:
+            SluiceError: 400 for too many, empty or out-of-vocabulary prompts.
+        """
+        if isinstance(body, openai_api.ChatCompletionRequest):
+            return [await self.tokenizer.encode_chat(openai_api.chat_messages(body))]
+        return await self._completion_prompt_ids(body)
+
+    async def _completion_prompt_ids(self, body: openai_api.CompletionRequest) -> list[list[int]]:
+        prompts = openai_api.completion_prompts(body)
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise SluiceError(ErrorCode.INVALID_VALUE, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request",
+                              param="prompt")
+        vocab_size = self.tokenizer.vocab_size
+        prompt_ids: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            ids = await self.tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
+            if not ids:
+                raise SluiceError(ErrorCode.INVALID_VALUE, "the prompt must not be empty", param=param)
+            if any(t < 0 or t >= vocab_size for t in ids):
+                raise SluiceError(ErrorCode.INVALID_VALUE, f"token ids must be in [0, {vocab_size - 1}]",
+                                  param=param)
+            prompt_ids.append(ids)
+        return prompt_ids
+
+    def plan(self, kind: Kind, body: OpenAIRequest, principal: Principal, prompt_ids: list[list[int]],
+             request_id: str, arrival_s: float) -> Plan:
+        """Check ``n`` and the stop strings, route to a pool, cap each prompt's output; return the plan.
+
+        Raises:
+            SluiceError: 400 for ``n`` over ``gateway.max_n``, bad stop strings, or a prompt past the context.
+        """
+        config = self.config
+        n = body.n or 1
+        if n > config.gateway.max_n:
+            raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
+        stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
+        route = self.fleet.route(body.model, principal.tier)
+        runtime = route.runtime
+        context_tokens = runtime.pool.max_model_len_tokens(config.model.max_model_len_tokens)
+        requested = openai_api.requested_max_tokens(body)
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        caps = [
+            runtime.capper.cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
+                               prompt_param=prompt_param, max_model_len_tokens=context_tokens)
+            for ids in prompt_ids
+        ]
+        generation = Generation(
+            request_id=request_id, prompts=prompt_ids, max_tokens=[cap.max_tokens for cap in caps], n=n,
+            sampling=_sampling(body), stop_strings=stop_strings, principal=principal, admission=runtime.admission,
+            pool=runtime.pool, tokenizer=self.tokenizer, metrics=self.metrics,
+            first_token_timeout_s=config.gateway.first_token_timeout_s,
+            stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
+            cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
+        )
+        return Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
+
+    async def admit(self, plan: Plan) -> None:
+        """Start a worker for a pool that has none ready (or reject when its cold start is too late), then wait in
+        the tier queues until every choice has room on a worker.
+
+        Raises:
+            SluiceError: 429/503 with ``Retry-After`` when shed.
+        """
+        self.fleet.check_cold_start(plan.route.runtime, plan.principal.tier.name)
+        await plan.generation.admit()
+
+    async def collect(self, plan: Plan) -> dict[str, Any]:
+        """Run the started generation to its end; return the chat.completion / text_completion object.
+
+        Raises:
+            SluiceError: 502/504 when a worker fails or times out.
+        """
+        generation = plan.generation
+        finish_reasons = ["stop"] * len(generation.choices)
+        while (event := await generation.next_event()) is not None:
+            if isinstance(event, FinishEvent):
+                finish_reasons[event.index] = event.finish_reason
+        texts = [generation.text(i) for i in range(len(generation.choices))]
+        build = chat_completion if plan.kind == "chat" else text_completion
+        return build(plan.response_id, int(time.time()), plan.model_name, texts, finish_reasons,
+                     generation.usage().to_dict())
+
+    async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
+                             on_admitted: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run one non-streamed completion request without a client connection (the job runner's path).
+
+        Args:
+            kind: ``chat`` or ``completion``.
+            raw_body: the request body (JSON).
+            principal: whose request and in which tier (the job runner passes the lowest tier).
+            request_id: the id the request carries to the worker and into the response id.
+            on_admitted: called once admission has reserved room on a worker.
+
+        Returns:
+            The chat.completion (or text_completion) object.
+
+        Raises:
+            SluiceError: as the HTTP handlers (4xx bad input, 429/503 shed, 502/504 worker failure).
+        """
+        arrival_s = time.perf_counter()
+        body = self.parse(kind, raw_body)
+        prompt_ids = await self.tokenize(kind, body)
+        plan = self.plan(kind, body, principal, prompt_ids, request_id, arrival_s)
+        try:
+            await self.admit(plan)
+            if on_admitted is not None:
+                on_admitted()
+            plan.generation.start()
+            return await self.collect(plan)
+        finally:
+            plan.generation.close()
+
+
+def _sampling(body: OpenAIRequest) -> SamplingParams:
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=top_k,
+        seed=body.seed,
+    )
+
+
+def _max_tokens_param(body: OpenAIRequest) -> str:
+    if isinstance(body, openai_api.ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"

@@ -45,7 +45,7 @@ from gateway.state import (
     TOKENIZER,
     GatewayOptions,
 )
-from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_snapshot
+from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_stats
 from gateway.pipeline.classify import TierResolver
 from gateway.pipeline.tokenize import Tokenizer
 from shared.config import resolve_model_path
@@ -85,7 +85,7 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     app[POOL] = fleet.default.pool
     app[ADMISSION] = fleet.default.admission
     app[PIPELINE] = RequestPipeline(config, fleet, app[TOKENIZER], metrics)
-    metrics.attach_state(fleet.admission_snapshot, fleet.worker_status)
+    metrics.attach_state(fleet.admission_stats, fleet.worker_status)
     fleet.start()
     yield
     await fleet.close()  # sheds what is still queued (503 server_draining), stops workers, closes connections
@@ -96,7 +96,7 @@ async def _tier_counters_ctx(app: web.Application) -> AsyncIterator[None]:
     interval, and the other gateways' queued requests count against each pool's tier ``queue_capacity``."""
     fleet, metrics = app[FLEET], app[METRICS]
     counters = TierCounters.from_config(app[CONFIG], app[GATEWAY_ID],
-                                        lambda: tier_counts_from_snapshot(fleet.admission_snapshot()))
+                                        lambda: tier_counts_from_stats(fleet.admission_stats()))
     app[TIER_COUNTERS] = counters
     for runtime in fleet.runtimes.values():
         runtime.admission.queued_elsewhere = counters.queued_elsewhere

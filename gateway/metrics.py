@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.admission.stats import AdmissionStats
 from shared.protocol import Capacity
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -85,11 +85,11 @@ class Metrics:
                                     ["tier"], buckets=_QUEUE_BUCKETS_S, registry=r)
         self._state_collector: StateCollector | None = None
 
-    def attach_state(self, admission_snapshot: Callable[[], dict[str, Any]],
+    def attach_state(self, admission_stats: Callable[[], AdmissionStats],
                      worker_status: Callable[[], list[dict]]) -> None:
         """Export admission and worker state read at scrape time (call once the app's resources exist)."""
         if self._state_collector is None:
-            self._state_collector = StateCollector(admission_snapshot, worker_status)
+            self._state_collector = StateCollector(admission_stats, worker_status)
             self.registry.register(self._state_collector)
 
     def request_started(self) -> None:
@@ -136,27 +136,27 @@ class StateCollector:
     """Prometheus collector that reads admission and worker snapshots at scrape time.
 
     Args:
-        admission_snapshot: returns ``AdmissionController.snapshot()``.
+        admission_stats: returns the admission stats (``Fleet.admission_stats``).
         worker_status: returns ``WorkerPool.status()``.
     """
 
-    def __init__(self, admission_snapshot: Callable[[], dict[str, Any]],
+    def __init__(self, admission_stats: Callable[[], AdmissionStats],
                  worker_status: Callable[[], list[dict]]) -> None:
-        self._admission_snapshot = admission_snapshot
+        self._admission_stats = admission_stats
         self._worker_status = worker_status
 
     def collect(self) -> Iterable[Metric]:
         """Yield the metric families (called by the registry on every scrape)."""
-        yield from self._admission_metrics(self._admission_snapshot())
+        yield from self._admission_metrics(self._admission_stats())
         yield from self._worker_metrics(self._worker_status())
 
-    def _admission_metrics(self, snapshot: dict[str, Any]) -> Iterable[Metric]:
+    def _admission_metrics(self, stats: AdmissionStats) -> Iterable[Metric]:
         level = GaugeMetricFamily("sluice_pressure_level", "Pressure level: 0 normal, 1 elevated, 2 critical")
-        level.add_metric([], PRESSURE_LEVEL_VALUES.get(snapshot["pressure"]["level"], 0))
+        level.add_metric([], PRESSURE_LEVEL_VALUES.get(stats.pressure.level, 0))
         yield level
         rate = GaugeMetricFamily("sluice_drain_rate_tokens_per_second",
                                  "Measured rate at which the workers work off queued tokens")
-        rate.add_metric([], snapshot["drain_rate_tokens_per_s"])
+        rate.add_metric([], stats.drain_rate_tokens_per_s)
         yield rate
         depth = GaugeMetricFamily("sluice_queue_depth", "Requests waiting in the tier's admission queue",
                                   labels=["tier"])
@@ -166,12 +166,12 @@ class StateCollector:
         rejected = CounterMetricFamily("sluice_rejected", "Requests rejected or shed, by reason",
                                        labels=["tier", "reason"])
         cancelled = CounterMetricFamily("sluice_cancelled", "Queued requests whose client left", labels=["tier"])
-        for tier, stats in snapshot["tiers"].items():
-            depth.add_metric([tier], stats["queue_depth"])
-            oldest.add_metric([tier], stats["oldest_wait_s"])
-            admitted.add_metric([tier], stats["admitted"])
-            cancelled.add_metric([tier], stats["cancelled"])
-            for reason, count in stats["rejected"].items():
+        for tier, tier_stats in stats.tiers.items():
+            depth.add_metric([tier], tier_stats.queue_depth)
+            oldest.add_metric([tier], tier_stats.oldest_wait_s)
+            admitted.add_metric([tier], tier_stats.admitted)
+            cancelled.add_metric([tier], tier_stats.cancelled)
+            for reason, count in tier_stats.rejected.items():
                 rejected.add_metric([tier, reason], count)
         yield from (depth, oldest, admitted, rejected, cancelled)
 

@@ -77,12 +77,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic
 
+import msgspec
+
 from gateway.admission.arrival import ArrivalChecks
 from gateway.admission.capacity import CapacityView, ReservationT
 from gateway.admission.order import FifoOrder, make_dispatch_order
 from gateway.admission.pressure import PressureLevel, PressureMonitor
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.admission.rates import ServiceRates
+from gateway.admission.stats import AdmissionStats, TierStats
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
 from shared.config import Config, effective_tiers, validate_admission_config
@@ -341,36 +344,40 @@ class AdmissionController(Generic[ReservationT]):
         (see :meth:`WaitEstimator.predicted_wait_s`)."""
         return self._waits.predicted_wait_s(tier)
 
-    def snapshot(self) -> dict[str, Any]:
+    def stats(self) -> AdmissionStats:
         """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
         dispatch rate; plus the drain rate and the pressure level. For ``/status`` and metrics."""
         now_s = self._clock()
-        tiers: dict[str, Any] = {}
+        tiers: dict[str, TierStats] = {}
         for name, queue in self._queues.items():
             head = queue.head()
             predicted_s = self.predicted_wait_s(name)
-            tiers[name] = {
-                "priority": queue.config.priority,
-                "queue_depth": len(queue.tickets),
-                "queue_capacity": queue.config.queue_capacity,
-                "oldest_wait_s": round(now_s - head.enqueued_s, 3) if head and head.enqueued_s is not None else 0.0,
-                "in_flight": queue.num_in_flight,
-                "in_flight_kv_blocks": queue.in_flight_blocks,
-                "admitted": queue.num_admitted,
-                "rejected": dict(queue.num_rejected),
-                "cancelled": queue.num_cancelled,
-                "predicted_wait_s": None if predicted_s is None else round(predicted_s, 3),
-                "dispatch_rate_per_s": round(self._rates.tier_dispatch_rate_per_s(queue, now_s), 3),
-            }
-        return {
-            "enabled": self._enabled,
-            "order_policy": self._order.name,
-            "draining": self._draining,
-            "drain_rate_tokens_per_s": round(self.drain_rate_tokens_per_s(), 1),
-            "expected_output_fraction": round(self._rates.output_fraction, 3),
-            "pressure": self.pressure.snapshot(),
-            "tiers": tiers,
-        }
+            tiers[name] = TierStats(
+                priority=queue.config.priority,
+                queue_depth=len(queue.tickets),
+                queue_capacity=queue.config.queue_capacity,
+                oldest_wait_s=round(now_s - head.enqueued_s, 3) if head and head.enqueued_s is not None else 0.0,
+                in_flight=queue.num_in_flight,
+                in_flight_kv_blocks=queue.in_flight_blocks,
+                admitted=queue.num_admitted,
+                rejected=dict(queue.num_rejected),
+                cancelled=queue.num_cancelled,
+                predicted_wait_s=None if predicted_s is None else round(predicted_s, 3),
+                dispatch_rate_per_s=round(self._rates.tier_dispatch_rate_per_s(queue, now_s), 3),
+            )
+        return AdmissionStats(
+            enabled=self._enabled,
+            order_policy=self._order.name,
+            draining=self._draining,
+            drain_rate_tokens_per_s=round(self.drain_rate_tokens_per_s(), 1),
+            expected_output_fraction=round(self._rates.output_fraction, 3),
+            pressure=self.pressure.stats(),
+            tiers=tiers,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return :meth:`stats` as JSON-ready builtins (the ``/status`` view)."""
+        return msgspec.to_builtins(self.stats())
 
     # ----------------------------------------------------------------------------------------------- internals
 

@@ -27,7 +27,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from shared.config import PressureConfig, PressureLevelConfig
+
+
+class PressureStats(msgspec.Struct):
+    """The pressure level and the signals it was last computed from.
+
+    Attributes:
+        level: ``normal``, ``elevated`` or ``critical``.
+        in_level_s: seconds since the level was entered.
+        queue_wait_s: the last queue-wait signal, seconds.
+        kv_used_fraction: the last KV signal, 0–1.
+        num_transitions: level changes so far.
+    """
+
+    level: str
+    in_level_s: float
+    queue_wait_s: float
+    kv_used_fraction: float
+    num_transitions: int
 
 
 class PressureLevel(enum.IntEnum):
@@ -123,12 +143,16 @@ class PressureMonitor:
             return 0.0
         return max(0.0, self._config.min_dwell_s - (self._clock() - self._entered_at_s))
 
-    def snapshot(self) -> dict[str, Any]:
+    def stats(self) -> PressureStats:
         """Return the level, the time in it and the last signals, for ``/status``."""
-        return {
-            "level": self._level.label,
-            "in_level_s": round(self._clock() - self._entered_at_s, 3),
-            "queue_wait_s": round(self._last_queue_wait_s, 3),
-            "kv_used_fraction": round(self._last_kv_used_fraction, 4),
-            "num_transitions": self.num_transitions,
-        }
+        return PressureStats(
+            level=self._level.label,
+            in_level_s=round(self._clock() - self._entered_at_s, 3),
+            queue_wait_s=round(self._last_queue_wait_s, 3),
+            kv_used_fraction=round(self._last_kv_used_fraction, 4),
+            num_transitions=self.num_transitions,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return :meth:`stats` as JSON-ready builtins."""
+        return msgspec.to_builtins(self.stats())

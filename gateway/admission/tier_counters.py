@@ -39,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.admission.stats import AdmissionStats
 from shared.config import Config
 
 log = structlog.get_logger("sluice.gateway")
@@ -99,13 +100,13 @@ _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(dict[str, TierCounts])
 
 
-def tier_counts_from_snapshot(snapshot: dict[str, Any]) -> dict[str, TierCounts]:
-    """Return tier name → counts of an admission snapshot (``AdmissionController.snapshot`` or
-    ``Fleet.admission_snapshot``: pools already summed per tier)."""
+def tier_counts_from_stats(stats: AdmissionStats) -> dict[str, TierCounts]:
+    """Return tier name → counts of admission stats (``AdmissionController.stats`` or ``Fleet.admission_stats``:
+    pools already summed per tier)."""
     return {
-        name: TierCounts(queued=stats["queue_depth"], in_flight=stats["in_flight"], admitted=stats["admitted"],
-                         rejected=dict(stats["rejected"]))
-        for name, stats in snapshot["tiers"].items()
+        name: TierCounts(queued=tier.queue_depth, in_flight=tier.in_flight, admitted=tier.admitted,
+                         rejected=dict(tier.rejected))
+        for name, tier in stats.tiers.items()
     }
 
 
@@ -303,4 +304,4 @@ class TierCountersCollector:
         yield from (queued, in_flight, gateways)
 
 
-__all__ = ["TTL_INTERVALS", "TierCounters", "TierCountersCollector", "TierCounts", "tier_counts_from_snapshot"]
+__all__ = ["TTL_INTERVALS", "TierCounters", "TierCountersCollector", "TierCounts", "tier_counts_from_stats"]

@@ -40,6 +40,7 @@ from prometheus_client import Histogram
 from gateway.admission.caps import OutputCapper
 from gateway.admission.controller import AdmissionController
 from gateway.admission.pressure import PressureLevel, PressureMonitor
+from gateway.admission.stats import AdmissionStats
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.fleet.autoscaler import Autoscaler, WorkerSecondsMeter
 from gateway.fleet.local_processes import LocalProcesses
@@ -281,9 +282,9 @@ class Fleet:
         """Return every local worker process, by pool then slot (``/status`` ``local_workers``)."""
         return self.report.local_worker_status()
 
-    def admission_snapshot(self) -> dict[str, Any]:
-        """Return the pools' admission snapshots merged per tier (see :meth:`FleetReport.admission_snapshot`)."""
-        return self.report.admission_snapshot()
+    def admission_stats(self) -> AdmissionStats:
+        """Return the pools' admission stats merged per tier (see :meth:`FleetReport.admission_stats`)."""
+        return self.report.admission_stats()
 
     def snapshot(self) -> dict[str, Any]:
         """Return the pools, scale events and recent decisions for ``/status`` (see :meth:`FleetReport.snapshot`)."""

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.admission.pressure import PressureLevel
+from gateway.admission.stats import AdmissionStats, merge_admission_stats
 from gateway.fleet.autoscaler import Autoscaler, WorkerSecondsMeter, WorkerState
 from gateway.fleet.pools import PoolRuntime
 from shared.config import Config
@@ -62,29 +61,10 @@ class FleetReport:
                             "pool": runtime.name, "worker_id": lw.worker_id, "state": lw.state.value})
         return out
 
-    def admission_snapshot(self) -> dict[str, Any]:
-        """Return the pools' admission snapshots merged per tier (counts summed, the highest pressure level)."""
-        snapshots = {name: runtime.admission.snapshot() for name, runtime in self.runtimes.items()}
-        merged = snapshots[self._default.name]
-        if len(snapshots) == 1:
-            return merged
-        merged = json.loads(json.dumps(merged))
-        for name, snapshot in snapshots.items():
-            if name == self._default.name:
-                continue
-            merged["drain_rate_tokens_per_s"] += snapshot["drain_rate_tokens_per_s"]
-            if PressureLevel[snapshot["pressure"]["level"].upper()] > PressureLevel[
-                    merged["pressure"]["level"].upper()]:
-                merged["pressure"] = snapshot["pressure"]
-            for tier, stats in snapshot["tiers"].items():
-                into = merged["tiers"][tier]
-                for key in ("queue_depth", "in_flight", "in_flight_kv_blocks", "admitted", "cancelled"):
-                    into[key] += stats[key]
-                into["oldest_wait_s"] = max(into["oldest_wait_s"], stats["oldest_wait_s"])
-                for reason, count in stats["rejected"].items():
-                    into["rejected"][reason] = into["rejected"].get(reason, 0) + count
-        merged["pools"] = snapshots
-        return merged
+    def admission_stats(self) -> AdmissionStats:
+        """Return the pools' admission stats merged per tier (counts summed, the highest pressure level)."""
+        stats = {name: runtime.admission.stats() for name, runtime in self.runtimes.items()}
+        return merge_admission_stats(stats, self._default.name)
 
     def snapshot(self) -> dict[str, Any]:
         """Return pools (workers by state, worker-seconds, cost, cold starts, degraded requests), scale events,

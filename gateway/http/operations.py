@@ -60,10 +60,10 @@ async def status(request: web.Request) -> web.Response:
     app = request.app
     config = app[CONFIG]
     fleet = app[FLEET]
-    admission = fleet.admission_snapshot()
+    admission = fleet.admission_stats()  # Structs: serialized by msgspec with the rest
     return web.json_response({
         "model": config.model.name,
-        "pressure": admission["pressure"],
+        "pressure": admission.pressure,
         "admission": admission,
         "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),
         "active_requests": app[METRICS].num_active_requests,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gateway.admission.pressure import PressureStats
+from gateway.admission.stats import AdmissionStats, TierStats
 from gateway.metrics import Metrics, parse_kv_stat_key
 
 
@@ -13,13 +15,13 @@ def test_kv_stat_keys_become_metric_suffixes_and_labels():
     assert parse_kv_stat_key("odd-name.x") == ("odd_name_x", {})
 
 
-def _admission_snapshot() -> dict:
-    return {
-        "pressure": {"level": "elevated"},
-        "drain_rate_tokens_per_s": 123.0,
-        "tiers": {"vip": {"queue_depth": 2, "oldest_wait_s": 1.5, "admitted": 7, "cancelled": 1,
-                          "rejected": {"queue_full": 3, "queue_timeout": 1}}},
-    }
+def _admission_stats() -> AdmissionStats:
+    pressure = PressureStats(level="elevated", in_level_s=0.0, queue_wait_s=0.0, kv_used_fraction=0.0, num_transitions=0)
+    vip = TierStats(priority=3, queue_depth=2, queue_capacity=8, oldest_wait_s=1.5, in_flight=0, in_flight_kv_blocks=0,
+                    admitted=7, rejected={"queue_full": 3, "queue_timeout": 1}, cancelled=1, predicted_wait_s=None,
+                    dispatch_rate_per_s=0.0)
+    return AdmissionStats(enabled=True, order_policy="priority_aging", draining=False, drain_rate_tokens_per_s=123.0,
+                          expected_output_fraction=1.0, pressure=pressure, tiers={"vip": vip})
 
 
 def _worker_status() -> list[dict]:
@@ -36,7 +38,7 @@ def _worker_status() -> list[dict]:
 
 def test_state_is_exported_at_scrape_time_with_backend_labels():
     metrics = Metrics()
-    metrics.attach_state(_admission_snapshot, _worker_status)
+    metrics.attach_state(_admission_stats, _worker_status)
     text = metrics.render().decode()
     for line in (
         "sluice_pressure_level 1.0",

@@ -1,11 +1,11 @@
 """The aiohttp application: every resource as a ``cleanup_ctx``, the routes and the error middleware.
 
-Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown):
-metrics → tokenizer (thread pool) → the fleet (``gateway.fleet.fleet``: pools of workers — local processes under the
-autoscaler, ``--worker-address`` and Redis-registry workers — each pool with the admission controller that reads
-its capacity) → the tier counters shared with other gateways through Redis (``gateway.admission.tier_counters``; their queued
-requests count against each tier's ``queue_capacity``). The tier resolver and the output capper are built with the
-app (they only read the config), so a bad tiers / keys config fails at start.
+Resources start in this order and stop in reverse (aiohttp runs ``cleanup_ctx`` backwards on shutdown): metrics →
+tokenizer (thread pool) → the fleet (``gateway.fleet.fleet``: pools of workers — local processes under the
+autoscaler, ``--worker-address`` and Redis-registry workers — each pool with the admission controller that reads its
+capacity) → the tier counters shared with other gateways through Redis (``gateway.admission.tier_counters``; their
+queued requests count against each tier's ``queue_capacity``). The tier resolver and the output capper are built
+with the app (they only read the config), so a bad tiers / keys config fails at start.
 
 Routes and the error ladder are in ``gateway.http``.
 """
@@ -92,8 +92,8 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _tier_counters_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Per-tier counts shared with the other gateways through Redis (``gateway.admission.tier_counters``): published every
-    interval, and the other gateways' queued requests count against each pool's tier ``queue_capacity``."""
+    """Per-tier counts shared with the other gateways through Redis (``gateway.admission.tier_counters``): published
+    every interval, and the other gateways' queued requests count against each pool's tier ``queue_capacity``."""
     fleet, metrics = app[FLEET], app[METRICS]
     counters = TierCounters.from_config(app[CONFIG], app[GATEWAY_ID],
                                         lambda: tier_counts_from_stats(fleet.admission_stats()))

@@ -511,7 +511,8 @@ class RateLimitConfig(_Section):
         share_tier_counters: publish this gateway's per-tier counters (queued, in flight, admitted, rejected) to the
             same Redis (``redis_url``, else ``registry.redis_url``; off when neither is set, whatever ``backend``)
             and read every other gateway's: ``/status`` ``fleet_tiers``, ``sluice_fleet_tier_*`` metrics, and each
-            tier's ``queue_capacity`` bounds the requests queued on all gateways together (``gateway.admission.tier_counters``).
+            tier's ``queue_capacity`` bounds the requests queued on all gateways together
+            (``gateway.admission.tier_counters``).
         tier_counters_key_prefix: prefix of the tier counter keys; gateways that share counters use the same one.
         tier_counters_interval_s: seconds between two publications; a gateway silent for 3 intervals is gone.
     """

@@ -19,7 +19,7 @@ def effective_max_tokens(
 ) -> int:
     """Return min(request or default, cap, context − prompt), the output budget sent to the worker.
 
-    A missing or null request gets ``default_max_tokens``, which is capped too (BC18, BC20).
+    A missing or null request gets ``default_max_tokens``, which is capped too.
 
     Args:
         requested_tokens: the client's ``max_tokens`` (already ≥ 1) or None.
@@ -60,7 +60,7 @@ class CapDecision:
 
 
 class OutputCapper:
-    """Cap output length per tier and pressure level (DESIGN.md step 4; BC20).
+    """Cap output length per tier and pressure level (DESIGN.md step 4).
 
     effective ``max_tokens`` = min(request or default, tier max, server-wide ``gateway.max_tokens_cap``,
     the pressure level's cap for the tier, context − prompt). A missing or null request gets the default — the

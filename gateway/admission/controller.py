@@ -50,9 +50,9 @@ produced. Work ÷ rate alone misses a full pool of long answers: nobody is admit
 little work is queued. So while requests are held because sequence slots or KV blocks are taken, the prediction is
 instead the time until a slot frees for the request: list scheduling of the requests ahead over the admitted
 requests' expected ends, from the workers' per-sequence prefill and decode rates
-(:meth:`~gateway.admission.wait_estimate.WaitEstimator.slot_wait_s`); work ÷ rate stays for a queue held by the prefill backlog limit (idle
-slots) or before those rates are measured. The check runs after the dispatch at arrival, so a request that starts at
-once is never rejected for it.
+(:meth:`~gateway.admission.wait_estimate.WaitEstimator.slot_wait_s`); work ÷ rate stays for a queue held by the
+prefill backlog limit (idle slots) or before those rates are measured. The check runs after the dispatch at arrival,
+so a request that starts at once is never rejected for it.
 ``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
 pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
 bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
@@ -144,7 +144,8 @@ class AdmissionController(Generic[ReservationT]):
         self._draining = False
         self._dispatching = False
         self._dispatch_requested = False
-        # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``), counted against
+        # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``),
+        # counted against
         # the tier's queue_capacity at arrival; the default: this gateway alone
         self.queued_elsewhere: Callable[[str], int] = lambda tier: 0
         # called after every arrival is recorded (the offered load grew): the fleet's autoscaler looks at once
@@ -193,7 +194,8 @@ class AdmissionController(Generic[ReservationT]):
         ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self._rates.output_fraction
         return ticket
 
-    def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int], max_tokens: int) -> Ticket[ReservationT]:
+    def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int],
+                        max_tokens: int) -> Ticket[ReservationT]:
         """Make a ticket for a resolved :class:`~gateway.pipeline.classify.Principal` (tier and per-key limits)."""
         return self.make_ticket(
             principal.tier.name,
@@ -386,7 +388,8 @@ class AdmissionController(Generic[ReservationT]):
         raise 503 ``predicted_queue_timeout`` when its predicted wait exceeds its deadline."""
         priority = ticket.tier.priority
         predicted_s = self._waits.predicted_wait_behind_s(
-            priority, self._waits.work_ahead_tokens(priority) - ticket.expected_work_tokens, ticket, ticket.demand_blocks
+            priority, self._waits.work_ahead_tokens(priority) - ticket.expected_work_tokens, ticket,
+            ticket.demand_blocks,
         )
         if predicted_s is None or predicted_s <= timeout_s:
             return
@@ -401,7 +404,8 @@ class AdmissionController(Generic[ReservationT]):
             predicted_s - timeout_s,
         )
 
-    def _shed(self, ticket: Ticket[ReservationT], code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+    def _shed(self, ticket: Ticket[ReservationT], code: ErrorCode, message: str,
+              retry_after_s: float | None = None) -> None:
         """Take a queued ticket out of its queue and fail its waiter."""
         queue = self._queues[ticket.tier.name]
         if not queue.remove(ticket):
@@ -528,7 +532,8 @@ class AdmissionController(Generic[ReservationT]):
         free_blocks, unused_reserved_blocks = self._waits.free_blocks(ticket.tier.priority)
         if unused_reserved_blocks > 0 and free_blocks < ticket.demand_blocks:
             return False
-        free_slots, unused_reserved_slots = self._waits.free_slots(ticket.tier.priority, self._view.total_sequence_slots())
+        total_slots = self._view.total_sequence_slots()
+        free_slots, unused_reserved_slots = self._waits.free_slots(ticket.tier.priority, total_slots)
         return not (unused_reserved_slots > 0 and free_slots < 1)
 
     def _observe_pressure(self) -> None:

@@ -1,4 +1,4 @@
-"""Per-key RPM/TPM limits kept in Redis, so several gateways share one key's buckets (issue 7).
+"""Per-key RPM/TPM limits kept in Redis, so several gateways share one key's buckets.
 
 The same two token buckets as :class:`gateway.admission.ratelimit.TokenBucketRateLimiter` (one request token, ``tokens``
 tokens; each bucket holds one minute of its limit and refills continuously; an oversize request goes through a full

@@ -70,7 +70,8 @@ def merge_admission_stats(stats_by_pool: dict[str, AdmissionStats], default_pool
     merged = stats_by_pool[default_pool]
     if len(stats_by_pool) == 1:
         return merged
-    tiers = {name: msgspec.structs.replace(stats, rejected=dict(stats.rejected)) for name, stats in merged.tiers.items()}
+    tiers = {name: msgspec.structs.replace(stats, rejected=dict(stats.rejected))
+             for name, stats in merged.tiers.items()}
     drain_rate = merged.drain_rate_tokens_per_s
     pressure = merged.pressure
     for name, stats in stats_by_pool.items():

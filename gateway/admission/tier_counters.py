@@ -1,4 +1,4 @@
-"""Per-tier counters shared by every gateway through Redis, so tier bounds hold across gateways (issue 7).
+"""Per-tier counters shared by every gateway through Redis, so tier bounds hold across gateways.
 
 Several gateways (processes sharing a port with ``gateway.reuse_port``, or machines) each run their own admission
 queues. Every ``ratelimit.tier_counters_interval_s`` each gateway publishes its per-tier counts — requests queued and

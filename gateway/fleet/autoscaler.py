@@ -1,4 +1,4 @@
-"""The local autoscaler's decisions: when to start a worker in a pool and which one to drain (issue 7).
+"""The local autoscaler's decisions: when to start a worker in a pool and which one to drain.
 
 Pure logic, no processes: each tick the gateway hands over one :class:`PoolObservation` per pool (its workers and
 their states, the pool's predicted queue wait, queued requests, pressure level and utilisation) and gets back

@@ -14,10 +14,10 @@ admission per pool, and degrade routing to a lighter pool.
                                                  leave: remove from the pool, close (requests not yet streaming
                                                  are retried on another worker by gateway.pipeline.generate)
 
-Each pool has its own :class:`~gateway.admission.controller.AdmissionController` over its own workers, so capacity, queues,
-predicted waits and pressure are per pool and model, in KV blocks from that pool's workers' reports: an idle pool
-never hides a saturated one. The per-key rate limiter is one for all pools (a key's limits are the key's, whatever
-model it asks for), in Redis when ``[ratelimit] backend = "redis"`` so that several gateways share it.
+Each pool has its own :class:`~gateway.admission.controller.AdmissionController` over its own workers, so capacity,
+queues, predicted waits and pressure are per pool and model, in KV blocks from that pool's workers' reports: an idle
+pool never hides a saturated one. The per-key rate limiter is one for all pools (a key's limits are the key's,
+whatever model it asks for), in Redis when ``[ratelimit] backend = "redis"`` so that several gateways share it.
 
 The fleet is a facade over small parts that talk through callbacks: :class:`~gateway.fleet.pools.PoolRuntime` (one
 per pool), :class:`~gateway.fleet.scaling.ScalingLoop` (the autoscale loop, the arrival kick, the cold-start check),

@@ -1,9 +1,10 @@
 """Watch the Redis worker registry: which remote workers joined, which left.
 
-Workers write their entries under the keys :mod:`shared.registry_keys` lists. A gateway scans the index every ``poll_interval_s``
-(and at once when the ``events`` channel hints at a join or leave): a worker whose alive key exists is live; one
-whose alive key expired (it stopped heart-beating) or whose entry was deleted (clean exit) has left. A worker that
-restarted under the same id (a new ``incarnation``) leaves and joins again, so the gateway reconnects.
+Workers write their entries under the keys :mod:`shared.registry_keys` lists. A gateway scans the index every
+``poll_interval_s`` (and at once when the ``events`` channel hints at a join or leave): a worker whose alive key
+exists is live; one whose alive key expired (it stopped heart-beating) or whose entry was deleted (clean exit) has
+left. A worker that restarted under the same id (a new ``incarnation``) leaves and joins again, so the gateway
+reconnects.
 
 While Redis is unreachable nothing changes: known workers stay (their connections are the real liveness signal;
 a dead worker's connection drops by itself) and the next successful scan catches up.

@@ -56,7 +56,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """``GET /status``: JSON snapshot of the model, pressure, admission queues per tier, and the workers with
     their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator);
-    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis (``gateway.admission.tier_counters``)."""
+    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis
+    (``gateway.admission.tier_counters``)."""
     app = request.app
     config = app[CONFIG]
     fleet = app[FLEET]

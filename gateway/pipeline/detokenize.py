@@ -1,4 +1,4 @@
-"""Incremental detokenization that never emits a broken UTF-8 character (BC11, BC12).
+"""Incremental detokenization that never emits a broken UTF-8 character.
 
 The prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and TGI's ``decode_token``::
 

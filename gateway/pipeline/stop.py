@@ -1,4 +1,4 @@
-"""Stop strings: held back until they can no longer match, never leaked, across token boundaries (BC14, BC16).
+"""Stop strings: held back until they can no longer match, never leaked, across token boundaries.
 
 Invariant: the text not yet released (``held``) is the longest suffix of the generated text that is a proper prefix
 of some stop string. A stop string that completes later must start inside ``held``, so searching ``held + new`` finds

@@ -167,7 +167,7 @@ def _wait_ready(gateway: Gateway, timeout_s: float = 180.0) -> None:
 def _stop_gateway(gateway: Gateway) -> None:
     """Stop the gateway (SIGTERM, then SIGKILL) and kill any of its workers that outlive it."""
     workers = _child_pids(gateway.process.pid)
-    gateway.pipeline.stop()
+    gateway.stop()
     for pid in workers:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
@@ -716,9 +716,9 @@ def health(tmp_path_factory, tokenizer):
             deadline = time.monotonic() + 120
             while sum(w["ready"] for w in gateway.status()["workers"]) < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            yield gateway, fakes, sim
+            yield gateway, fakes, sim.process
         finally:
-            gateway.pipeline.stop()
+            gateway.stop()
             sim.stop()
 
 

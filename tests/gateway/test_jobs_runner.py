@@ -145,6 +145,6 @@ def test_two_gateways_on_one_redis_run_each_job_once_and_both_see_it(tmp_path):
         assert all(any(event["job_id"] in submitted for event in g.log_events("job_started")) for g in gateways)
     finally:
         for gateway in gateways:
-            gateway.pipeline.stop()
+            gateway.stop()
         delete_redis_prefix(prefix)
         shutil.rmtree(tmp_path, ignore_errors=True)

@@ -81,7 +81,8 @@ def test_gateway_modules_import_no_cycle():
 
 
 def test_gateway_never_imports_the_worker_package():
-    offenders = sorted(name for name, tree in ((_module_name(p), ast.parse(p.read_text())) for p in GATEWAY.rglob("*.py"))
+    trees = ((_module_name(path), ast.parse(path.read_text())) for path in GATEWAY.rglob("*.py"))
+    offenders = sorted(name for name, tree in trees
                        if any(m == "worker" or m.startswith("worker.") for m in _imports(tree)))
     assert offenders == []
 

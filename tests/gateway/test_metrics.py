@@ -16,7 +16,8 @@ def test_kv_stat_keys_become_metric_suffixes_and_labels():
 
 
 def _admission_stats() -> AdmissionStats:
-    pressure = PressureStats(level="elevated", in_level_s=0.0, queue_wait_s=0.0, kv_used_fraction=0.0, num_transitions=0)
+    pressure = PressureStats(level="elevated", in_level_s=0.0, queue_wait_s=0.0, kv_used_fraction=0.0,
+                             num_transitions=0)
     vip = TierStats(priority=3, queue_depth=2, queue_capacity=8, oldest_wait_s=1.5, in_flight=0, in_flight_kv_blocks=0,
                     admitted=7, rejected={"queue_full": 3, "queue_timeout": 1}, cancelled=1, predicted_wait_s=None,
                     dispatch_rate_per_s=0.0)

@@ -81,6 +81,7 @@ import msgspec
 
 from gateway.admission.arrival import ArrivalChecks
 from gateway.admission.capacity import CapacityView, ReservationT
+from gateway.admission.dispatch import Dispatcher
 from gateway.admission.order import FifoOrder, make_dispatch_order
 from gateway.admission.pressure import PressureLevel, PressureMonitor
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
@@ -139,11 +140,11 @@ class AdmissionController(Generic[ReservationT]):
         self._rates = ServiceRates(config.admission, view, clock)
         self._waits = WaitEstimator(config, self._queues, self._in_flight, self._rates, self._order, view,
                                     self.pressure, clock)
+        self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self._rates, self._waits,
+                                      self._order, view, clock, self._shed_expired)
         self._arrival = ArrivalChecks(config, self._queues, self._waits, self.pressure, view,
                                       lambda tier: self.queued_elsewhere(tier))
         self._draining = False
-        self._dispatching = False
-        self._dispatch_requested = False
         # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``),
         # counted against
         # the tier's queue_capacity at arrival; the default: this gateway alone
@@ -244,7 +245,7 @@ class AdmissionController(Generic[ReservationT]):
             ticket.state = TicketState.QUEUED
             ticket._future = future
             queue.push(ticket)
-            self._dispatch()
+            self._dispatcher.dispatch()
             if ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection:
                 self._check_predicted_wait(ticket, queue, timeout_s)
         except SluiceError:
@@ -282,7 +283,7 @@ class AdmissionController(Generic[ReservationT]):
             self._rates.record_output(completion_tokens, ticket.max_tokens)
         reservation, ticket.reservation = ticket.reservation, None
         self._view.release(reservation)
-        self._dispatch()
+        self._dispatcher.dispatch()
 
     def worker_start_deadline_s(self, ticket: Ticket[ReservationT], allowance_s: float) -> float:
         """Return the ``time.time()`` by which the worker must start the admitted ticket's request, else drop it
@@ -308,7 +309,7 @@ class AdmissionController(Generic[ReservationT]):
     def on_capacity_changed(self) -> None:
         """Re-run dispatch (and shed expired tickets): call when a worker reports capacity or a request ends."""
         self._observe_pressure()
-        self._dispatch()
+        self._dispatcher.dispatch()
 
     @property
     def draining(self) -> bool:
@@ -394,7 +395,7 @@ class AdmissionController(Generic[ReservationT]):
         if predicted_s is None or predicted_s <= timeout_s:
             return
         queue.remove(ticket)
-        self._dispatch()  # it may have been the head that held the others back
+        self._dispatcher.dispatch()  # it may have been the head that held the others back
         self._arrival.reject(
             ticket,
             queue,
@@ -439,7 +440,7 @@ class AdmissionController(Generic[ReservationT]):
             queue.remove(ticket)
             queue.num_cancelled += 1
             ticket.state = TicketState.CANCELLED
-            self._dispatch()  # it may have been the head holding others back
+            self._dispatcher.dispatch()  # it may have been the head holding others back
         elif ticket.state is TicketState.ADMITTED:
             self.release(ticket)
             ticket.state = TicketState.CANCELLED
@@ -448,20 +449,6 @@ class AdmissionController(Generic[ReservationT]):
                 ticket._future.cancel()
             elif not ticket._future.cancelled():
                 ticket._future.exception()  # mark retrieved: nobody awaits it any more
-
-    def _dispatch(self) -> None:
-        """Admit queued tickets, best first, while the capacity view finds room (re-entrancy safe)."""
-        if self._dispatching:
-            self._dispatch_requested = True
-            return
-        self._dispatching = True
-        try:
-            self._dispatch_requested = True
-            while self._dispatch_requested:
-                self._dispatch_requested = False
-                self._dispatch_once()
-        finally:
-            self._dispatching = False
 
     def _record_arrival(self, ticket: Ticket[ReservationT]) -> None:
         self._rates.record_arrival(ticket.expected_work_tokens)
@@ -481,60 +468,6 @@ class AdmissionController(Generic[ReservationT]):
         """Return the measured service rate per serving worker under backlog, expected work tokens/s; None when
         none ever was measured."""
         return self._rates.backlog_rate_tokens_per_s()
-
-    def _dispatch_once(self) -> None:
-        now_s = self._clock()
-        self._shed_expired(now_s)
-        count_service = self._rates.start_pass(now_s)
-        held_back_tiers: set[str] = set()
-        while True:
-            candidates = [
-                head
-                for name, queue in self._queues.items()
-                if name not in held_back_tiers and (head := queue.head()) is not None
-            ]
-            if not candidates:
-                # requests held back only by reserved shares wait for lack of room too (for lower tiers)
-                self._rates.backlogged = bool(held_back_tiers)
-                return
-            best = max(candidates, key=lambda t: (self._order.score(t, now_s), -t.ticket_id))
-            if not self._fits_reserved_shares(best):
-                held_back_tiers.add(best.tier.name)
-                continue
-            reservation = self._view.try_reserve(
-                best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid
-            )
-            if reservation is None:
-                self._rates.backlogged = True
-                return  # strict order: nobody jumps ahead of the request that should go next
-            self._rates.record_dispatch(now_s, best.expected_work_tokens, count_service)
-            self._grant(best, reservation, now_s)
-
-    def _grant(self, ticket: Ticket[ReservationT], reservation: ReservationT, now_s: float) -> None:
-        queue = self._queues[ticket.tier.name]
-        queue.remove(ticket)
-        ticket.state = TicketState.ADMITTED
-        ticket.reservation = reservation
-        ticket.admitted_s = now_s
-        self._in_flight[ticket.ticket_id] = ticket
-        queue.num_in_flight += 1
-        queue.in_flight_blocks += ticket.demand_blocks
-        queue.num_admitted += 1
-        queue.dispatch_times_s.append(now_s)
-        if ticket._future is not None and not ticket._future.done():
-            ticket._future.set_result(reservation)
-
-    def _fits_reserved_shares(self, ticket: Ticket[ReservationT]) -> bool:
-        """Return whether dispatching leaves the unused reserved shares of higher tiers untouched: their
-        ``reserved_kv_fraction`` of the KV blocks and their ``reserved_slot_fraction`` of the sequence slots."""
-        if not self._enabled:
-            return True
-        free_blocks, unused_reserved_blocks = self._waits.free_blocks(ticket.tier.priority)
-        if unused_reserved_blocks > 0 and free_blocks < ticket.demand_blocks:
-            return False
-        total_slots = self._view.total_sequence_slots()
-        free_slots, unused_reserved_slots = self._waits.free_slots(ticket.tier.priority, total_slots)
-        return not (unused_reserved_slots > 0 and free_slots < 1)
 
     def _observe_pressure(self) -> None:
         """Feed the pressure monitor; when the level starts shedding a tier, shed that tier's queue too."""

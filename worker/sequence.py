@@ -46,7 +46,7 @@ class Sequence:
         stop_token_ids: sampled ids that end the answer with ``"stop"``; ignored when ``ignore_eos``.
         ignore_eos: never stop on a token (benchmarks).
         tier: admission tier label, carried into the eviction metadata of its blocks.
-        tier_priority: larger is admitted first and preempted last.
+        tier_priority: the request's priority (``Generate.priority``): larger is admitted first and preempted last.
         cache_ttl_s: requested KV retention after the request ends, seconds; 0 = the worker's default
             (``kv.default_cache_ttl_s``). The KV manager bounds it by ``kv.max_cache_ttl_s`` (and per tier).
         cache_key: the request's session / prompt cache key ("" = none); informational (logs), the chain hash

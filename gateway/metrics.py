@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.admission.stats import AdmissionStats
+from gateway.workers.pool import WorkerStatus
 from shared.protocol import Capacity
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -86,7 +87,7 @@ class Metrics:
         self._state_collector: StateCollector | None = None
 
     def attach_state(self, admission_stats: Callable[[], AdmissionStats],
-                     worker_status: Callable[[], list[dict]]) -> None:
+                     worker_status: Callable[[], list[WorkerStatus]]) -> None:
         """Export admission and worker state read at scrape time (call once the app's resources exist)."""
         if self._state_collector is None:
             self._state_collector = StateCollector(admission_stats, worker_status)
@@ -141,7 +142,7 @@ class StateCollector:
     """
 
     def __init__(self, admission_stats: Callable[[], AdmissionStats],
-                 worker_status: Callable[[], list[dict]]) -> None:
+                 worker_status: Callable[[], list[WorkerStatus]]) -> None:
         self._admission_stats = admission_stats
         self._worker_status = worker_status
 
@@ -175,7 +176,7 @@ class StateCollector:
                 rejected.add_metric([tier, reason], count)
         yield from (depth, oldest, admitted, rejected, cancelled)
 
-    def _worker_metrics(self, workers: list[dict]) -> Iterable[Metric]:
+    def _worker_metrics(self, workers: list[WorkerStatus]) -> Iterable[Metric]:
         ready = GaugeMetricFamily("sluice_worker_ready", "1 when the worker is connected and ready",
                                   labels=["worker", "backend"])
         breaker = GaugeMetricFamily("sluice_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
@@ -189,16 +190,16 @@ class StateCollector:
                                     labels=["worker", "backend"])
         kv_families: dict[str, tuple[list[str], list[tuple[list[str], float]]]] = {}
         for worker in workers:
-            backend = worker["backend"]
-            ready.add_metric([worker["name"], backend], 1.0 if worker["ready"] else 0.0)
-            breaker.add_metric([worker["name"], backend], BREAKER_STATE_VALUES[worker["breaker"]["state"]])
-            hello = worker["hello"]
+            backend = worker.backend
+            ready.add_metric([worker.name, backend], 1.0 if worker.ready else 0.0)
+            breaker.add_metric([worker.name, backend], BREAKER_STATE_VALUES[worker.breaker["state"]])
+            hello = worker.hello
             if hello is not None:
-                info.add_metric([worker["name"], backend, hello["device"], hello["model_id"]], 1.0)
-            capacity = worker["capacity"] or {}
+                info.add_metric([worker.name, backend, hello["device"], hello["model_id"]], 1.0)
+            capacity = worker.capacity or {}
             if capacity:
-                decode.add_metric([worker["name"], backend], capacity["decode_tokens_per_s"])
-                prefill.add_metric([worker["name"], backend], capacity["prefill_tokens_per_s"])
+                decode.add_metric([worker.name, backend], capacity["decode_tokens_per_s"])
+                prefill.add_metric([worker.name, backend], capacity["prefill_tokens_per_s"])
             for key, value in (capacity.get("kv_stats") or {}).items():
                 suffix, labels = parse_kv_stat_key(key)
                 if suffix in _OWN_KV_SUFFIXES:
@@ -207,7 +208,7 @@ class StateCollector:
                 for label in labels:
                     if label not in label_names:
                         label_names.append(label)
-                samples.append(({"worker": worker["name"], "backend": backend, **labels}, float(value)))
+                samples.append(({"worker": worker.name, "backend": backend, **labels}, float(value)))
         yield from (ready, breaker, info, decode, prefill)
         for suffix, (label_names, samples) in kv_families.items():
             family = GaugeMetricFamily(f"sluice_worker_kv_{suffix}",

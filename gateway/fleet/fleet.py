@@ -51,7 +51,7 @@ from gateway.fleet.scaling import ScalingLoop
 from gateway.fleet.spawn import WorkerSpawner, preload_modules
 from gateway.metrics import Metrics
 from gateway.workers.client import WorkerClient
-from gateway.workers.pool import WorkerPool
+from gateway.workers.pool import WorkerPool, WorkerStatus
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import ErrorCode, SluiceError
 
@@ -274,7 +274,7 @@ class Fleet:
         return any(runtime.has_ready_worker() or (runtime.config.min_workers == 0 and self.scaling.may_spawn(runtime))
                    for runtime in self.runtimes.values())
 
-    def worker_status(self) -> list[dict]:
+    def worker_status(self) -> list[WorkerStatus]:
         """Return every worker of every pool (see :meth:`FleetReport.worker_status`)."""
         return self.report.worker_status()
 

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.admission.stats import AdmissionStats, merge_admission_stats
 from gateway.fleet.autoscaler import Autoscaler, WorkerSecondsMeter, WorkerState
 from gateway.fleet.pools import PoolRuntime
+from gateway.workers.pool import WorkerStatus
 from shared.config import Config
 
 
@@ -38,16 +39,15 @@ class FleetReport:
         self.degraded = degraded
         self._clock = clock
 
-    def worker_status(self) -> list[dict]:
-        """Return every worker of every pool (``WorkerPool.status`` entries with ``pool`` and ``state``)."""
-        out: list[dict] = []
+    def worker_status(self) -> list[WorkerStatus]:
+        """Return every worker of every pool (``WorkerPool.status`` entries with ``pool``, ``local``, ``state``)."""
+        out: list[WorkerStatus] = []
         for runtime in self.runtimes.values():
             states = {lw.client.name: lw.state.value for lw in runtime.local.values()}
             for entry in runtime.pool.status():
-                name = entry["name"]
-                entry["pool"] = runtime.name
-                entry["local"] = name in states
-                entry["state"] = states.get(name, "ready" if entry["ready"] else "starting")
+                entry.pool = runtime.name
+                entry.local = entry.name in states
+                entry.state = states.get(entry.name, "ready" if entry.ready else "starting")
                 out.append(entry)
         return out
 

@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 
@@ -31,6 +31,41 @@ from gateway.workers.client import WorkerClient
 from gateway.workers.reservation import Reservation
 from shared.config import BreakerConfig
 from shared.prefix_hash import hash_token_blocks
+
+
+class WorkerStatus(msgspec.Struct):
+    """One worker as ``/status`` shows it and Prometheus exports it.
+
+    Attributes:
+        name, address: its label and where the gateway connects.
+        ready, backend, simulator: connected and said Hello; its backend (``sim`` = the roofline simulator).
+        breaker: its circuit breaker's state and counters.
+        in_flight, reservations, pending_prefill, reserved_kv_blocks: this gateway's requests running on it,
+            reservations held, prompts not yet started, KV blocks promised.
+        connections: connections made so far.
+        hello, capacity: its last ``Hello`` and ``Capacity`` fields (None before the first).
+        capacity_age_s: seconds since the last capacity report.
+        pool, local, state: the pool it serves, whether this gateway spawned it, and its state there (set by the
+            fleet; ``""`` / False from a bare pool).
+    """
+
+    name: str
+    address: str
+    ready: bool
+    backend: str
+    simulator: bool
+    breaker: dict[str, Any]
+    in_flight: int
+    reservations: int
+    pending_prefill: int
+    reserved_kv_blocks: int
+    connections: int
+    hello: dict[str, Any] | None
+    capacity: dict[str, Any] | None
+    capacity_age_s: float | None
+    pool: str = ""
+    local: bool = False
+    state: str = ""
 
 
 class WorkerPool:
@@ -249,25 +284,25 @@ class WorkerPool:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
 
-    def status(self) -> list[dict]:
-        """Return a JSON-ready snapshot of every worker (for ``/status``)."""
+    def status(self) -> list[WorkerStatus]:
+        """Return a snapshot of every worker (for ``/status`` and metrics)."""
         now_s = time.time()
         return [
-            {
-                "name": c.name,
-                "address": c.address,
-                "ready": c.ready,
-                "backend": c.backend,
-                "simulator": c.backend == "sim",
-                "breaker": c.breaker.snapshot(),
-                "in_flight": c.num_in_flight,
-                "reservations": c.num_reserved,
-                "pending_prefill": c.num_pending_prefill,
-                "reserved_kv_blocks": c.reserved_blocks,
-                "connections": c.num_connections,
-                "hello": msgspec.structs.asdict(c.hello) if c.hello else None,
-                "capacity": msgspec.structs.asdict(c.capacity) if c.capacity else None,
-                "capacity_age_s": round(now_s - c.capacity_at_s, 3) if c.capacity else None,
-            }
+            WorkerStatus(
+                name=c.name,
+                address=c.address,
+                ready=c.ready,
+                backend=c.backend,
+                simulator=c.backend == "sim",
+                breaker=c.breaker.snapshot(),
+                in_flight=c.num_in_flight,
+                reservations=c.num_reserved,
+                pending_prefill=c.num_pending_prefill,
+                reserved_kv_blocks=c.reserved_blocks,
+                connections=c.num_connections,
+                hello=msgspec.structs.asdict(c.hello) if c.hello else None,
+                capacity=msgspec.structs.asdict(c.capacity) if c.capacity else None,
+                capacity_age_s=round(now_s - c.capacity_at_s, 3) if c.capacity else None,
+            )
             for c in self.clients
         ]

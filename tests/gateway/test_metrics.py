@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.admission.pressure import PressureStats
 from gateway.admission.stats import AdmissionStats, TierStats
 from gateway.metrics import Metrics, parse_kv_stat_key
+from gateway.workers.pool import WorkerStatus
 
 
 def test_kv_stat_keys_become_metric_suffixes_and_labels():
@@ -25,16 +26,20 @@ def _admission_stats() -> AdmissionStats:
                           expected_output_fraction=1.0, pressure=pressure, tiers={"vip": vip})
 
 
-def _worker_status() -> list[dict]:
+def _worker_status() -> list[WorkerStatus]:
     capacity = {"decode_tokens_per_s": 40.0, "prefill_tokens_per_s": 900.0,
                 "kv_stats": {"evictions{policy=lru}": 5.0, "usage": 0.5, "preemptions{mode=swap}": 1.0,
                              "preemptions": 2.0}}
     return [
-        {"name": "w0", "backend": "sim", "ready": True, "breaker": {"state": "open"},
-         "hello": {"device": "sim:roofline", "model_id": "M"}, "capacity": capacity},
-        {"name": "w1", "backend": "", "ready": False, "breaker": {"state": "half_open"}, "hello": None,
-         "capacity": None},
+        _worker("w0", backend="sim", ready=True, breaker={"state": "open"},
+                hello={"device": "sim:roofline", "model_id": "M"}, capacity=capacity),
+        _worker("w1", backend="", ready=False, breaker={"state": "half_open"}, hello=None, capacity=None),
     ]
+
+
+def _worker(name: str, **fields) -> WorkerStatus:
+    return WorkerStatus(name=name, address="", simulator=fields["backend"] == "sim", in_flight=0, reservations=0,
+                        pending_prefill=0, reserved_kv_blocks=0, connections=1, capacity_age_s=None, **fields)
 
 
 def test_state_is_exported_at_scrape_time_with_backend_labels():

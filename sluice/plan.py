@@ -217,6 +217,8 @@ class WorkerModel:
         block_size_tokens: tokens per KV block.
         measured_decode_tokens_per_s: measured decode throughput (measured mode), or None.
         measured_prefill_tokens_per_s: measured prefill throughput (measured mode), or None.
+        measured_tpot_s: measured time per output token of one running sequence (measured mode; 1 ÷ the worker's
+            ``sequence_decode_tokens_per_s``), seconds, or None (then b ÷ the decode rate).
         source: ``roofline`` or ``measured:<url>``.
     """
 
@@ -229,6 +231,7 @@ class WorkerModel:
     block_size_tokens: int
     measured_decode_tokens_per_s: float | None = None
     measured_prefill_tokens_per_s: float | None = None
+    measured_tpot_s: float | None = None
     source: str = "roofline"
 
     @classmethod
@@ -410,7 +413,7 @@ def _own_prefill_s(model: WorkerModel, inputs: np.ndarray, per_worker_rate: floa
     inputs = inputs.astype(np.float64)
     if model.measured_decode_tokens_per_s:
         prefill_rate = model.measured_prefill_tokens_per_s or math.inf
-        tpot = profile.batch_limit / model.measured_decode_tokens_per_s
+        tpot = model.measured_tpot_s or profile.batch_limit / model.measured_decode_tokens_per_s
         return inputs / prefill_rate, tpot, min(profile.batch_limit, per_worker_rate * profile.mean_output_tokens
                                                 * tpot)
     budget = model.max_num_batched_tokens
@@ -729,7 +732,10 @@ def format_plan(result: Plan) -> str:
 def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
     """Return ``fallback`` with the decode and prefill tokens/s measured by a running gateway's workers.
 
-    Reads ``/status`` (each worker's last Capacity report) and takes the highest per-worker rates; loopback only.
+    Reads ``/status`` (each worker's last Capacity report: tokens per busy second of the steps of each phase) and
+    takes the highest per-worker rates, with the TPOT of the worker that decodes fastest; loopback only. The decode
+    rate is the one measured at the batch the worker ran (decode rate × TPOT), so it understates a worker that runs
+    larger batches at saturation: measure under the load to plan for.
 
     Raises:
         PlanError: not loopback, unreachable, or no worker reported a decode rate yet.
@@ -747,16 +753,20 @@ def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
             status = json.loads(response.read())
     except OSError as exc:
         raise PlanError(f"GET {url}: {exc}") from exc
-    decode = prefill = 0.0
+    decode = prefill = sequence_decode = 0.0
     for worker in status.get("workers") or []:
         capacity = worker.get("capacity") or {}
-        decode = max(decode, float(capacity.get("decode_tokens_per_s") or 0.0))
+        worker_decode = float(capacity.get("decode_tokens_per_s") or 0.0)
+        if worker_decode > decode:
+            decode = worker_decode
+            sequence_decode = float(capacity.get("sequence_decode_tokens_per_s") or 0.0)
         prefill = max(prefill, float(capacity.get("prefill_tokens_per_s") or 0.0))
     if decode <= 0:
         raise PlanError(f"{url}: no worker reports a decode rate yet (measure under load)")
     from dataclasses import replace
 
     return replace(fallback, measured_decode_tokens_per_s=decode, measured_prefill_tokens_per_s=prefill or None,
+                   measured_tpot_s=1.0 / sequence_decode if sequence_decode > 0 else None,
                    source=f"measured:{base_url}")
 
 

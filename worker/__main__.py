@@ -133,6 +133,7 @@ def build_worker(config: Config, worker_id: str):
             kv_stats=engine.kv_stats(),
             sequence_decode_tokens_per_s=engine.sequence_decode_tokens_per_s(),
             sequence_prefill_tokens_per_s=engine.sequence_prefill_tokens_per_s(),
+            busy_tokens_per_s=engine.busy_tokens_per_s(),
         )
 
     return WorkerServer(

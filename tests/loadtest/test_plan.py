@@ -11,9 +11,11 @@ import pytest
 from shared.config import SimConfig, WorkerConfig
 from sluice.plan import (
     WorkerModel,
+    _own_prefill_s,
     allen_cunneen_wait_s,
     erlang_c,
     main,
+    measured_worker_model,
     mmc_mean_wait_s,
     plan,
     predict,
@@ -225,3 +227,48 @@ def test_cli_plan_rejects_a_trace_window_with_fewer_than_two_requests(tmp_path, 
     err = run_cli_expecting_usage_error(["--trace", "azure-conv", "--start-s", "1e9", "--config",
                                          empty_config(tmp_path)], capsys)
     assert "argument --trace: a trace needs at least two requests (in the window that --start-s" in err
+
+
+@pytest.fixture
+def status_server():
+    """A loopback HTTP server answering ``GET /status`` with the JSON in ``server.status``."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = json.dumps(self.server.status).encode()
+            self.send_response(200 if self.path == "/status" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.status = {"workers": []}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def cpu_worker_status(decode: float, sequence_decode: float, prefill: float) -> dict:
+    return {"workers": [{"name": "w0", "capacity": {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+                                                    "sequence_decode_tokens_per_s": sequence_decode}}]}
+
+
+def test_measured_worker_model_takes_the_tpot_from_the_sequence_decode_rate(status_server):
+    """A CPU worker decoding 4 sequences at TPOT 142 ms: the plan's TPOT is 142 ms, not b ÷ the decode rate."""
+    status_server.status = cpu_worker_status(decode=4 / 0.142, sequence_decode=1 / 0.142, prefill=130.0)
+    url = f"http://127.0.0.1:{status_server.server_port}"
+    model = measured_worker_model(url, WorkerModel.from_roofline(SimConfig(), WorkerConfig()))
+    assert model.measured_tpot_s == pytest.approx(0.142)
+    assert model.measured_prefill_tokens_per_s == 130.0 and model.source == f"measured:{url}"
+    profile = service_profile(model, np.array([4808, 36]), np.array([64, 64]))
+    assert profile.prefill_service_s[0] == pytest.approx(4808 / 130.0)
+    own_prefill_s, tpot_s, _ = _own_prefill_s(model, np.array([4808, 36]), 0.01, profile)
+    assert tpot_s == pytest.approx(0.142)

@@ -565,7 +565,16 @@ class JobsConfig(_Section):
 
 
 class Config(_Section):
-    """The whole ``config.toml``."""
+    """The whole ``config.toml``.
+
+    Attributes:
+        model, gateway, worker, kv, sim, admission, pressure, breaker, autoscale, registry, ratelimit, jobs: the
+            tables of the same names.
+        tiers: the ``[[tiers]]`` tables; none = the default vip / standard / free / batch.
+        default_tier: the tier of a request without an API key (when ``admission.require_api_key`` is false).
+        api_keys: the ``[[api_keys]]`` tables (also from ``admission.keys_file``).
+        pools: the ``[[pools]]`` tables; none = one pool of ``worker.num_local_workers`` local workers.
+    """
 
     model: ModelConfig = ModelConfig()
     gateway: GatewayConfig = GatewayConfig()

@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "cachesim": ("worker.kv_cache.cachesim", "main"),
     "replay": ("loadtest.replay", "main"),
     "plan": ("sluice.plan", "main"),
+    "config": ("sluice.config_cmd", "main"),
 }
 
 

@@ -62,7 +62,8 @@ def test_a_directory_is_an_error_naming_it(tmp_path):
 
 @pytest.mark.parametrize("name, text, message", [
     ("SLUICE_GATEWAY__PORT", "abc", "SLUICE_GATEWAY__PORT=abc: Expected `int`, got `str` - at `$.gateway.port`"),
-    ("SLUICE_GATEWAY__PROT", "1", "SLUICE_GATEWAY__PROT=1: Object contains unknown field `prot` - at `$.gateway`"),
+    ("SLUICE_GATEWAY__PROT", "1",
+     "SLUICE_GATEWAY__PROT=1: Object contains unknown field `prot` - at `$.gateway`; did you mean `port`?"),
     ("SLUICE_GATEWAY__MAX_N", "0", "SLUICE_GATEWAY__MAX_N=0: Expected `int` >= 1 - at `$.gateway.max_n`"),
     ("SLUICE_NOPE__PORT", "1", "SLUICE_NOPE__PORT=1: Object contains unknown field `nope`"),
     ("SLUICE_TIERS__NAME", "x", "SLUICE_TIERS__NAME=x: tiers is not a table, so it has no key name"),
@@ -78,7 +79,7 @@ def test_an_error_in_the_file_is_blamed_on_the_file_even_with_overrides(tmp_path
     path = write(tmp_path, "[worker]\nkv_cache_gib = -1\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={"SLUICE_GATEWAY__PORT": "8001"})
-    assert str(info.value) == f"{path}: Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"
+    assert str(info.value) == f"{path}:2: Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"
 
 
 def test_an_override_may_replace_a_bad_value_of_the_file(tmp_path):
@@ -122,7 +123,7 @@ def test_a_value_out_of_range_is_an_error_naming_the_key(tmp_path, text, message
     path = write(tmp_path, text + "\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={})
-    assert str(info.value) == f"{path}: {message}"
+    assert str(info.value) == f"{path}:{text.count(chr(10)) + 1}: {message}"  # the key is on the text's last line
 
 
 def test_cli_overrides_are_range_checked_too():
@@ -232,7 +233,7 @@ def test_serve_with_an_out_of_range_value_exits_2_before_starting_anything(tmp_p
     result = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--config", str(path), "--port", "1"],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr == f"sluice serve: {path}: Expected `int` >= 1 - at `$.gateway.max_n`\n"
+    assert result.stderr == f"sluice serve: {path}:2: Expected `int` >= 1 - at `$.gateway.max_n`\n"
     assert "gateway_listening" not in result.stdout
 
 

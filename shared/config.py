@@ -532,8 +532,9 @@ class JobsConfig(_Section):
 
     Attributes:
         store: ``sqlite`` (a file, the embedded default) or ``redis`` (one queue shared by several gateways).
-        sqlite_path: the SQLite database file (WAL mode); "" = ``$XDG_STATE_HOME/sluice/jobs.sqlite3``
-            (``~/.local/state/sluice/jobs.sqlite3``); a relative path is relative to the working directory.
+        sqlite_path: the SQLite database file (WAL mode); "" = ``var/jobs.sqlite3`` beside the config file (in the
+            working directory without one), so each deployment keeps its own jobs; a relative path is relative to
+            the working directory.
         redis_url: the Redis server when ``store = "redis"``, e.g. ``redis://127.0.0.1:6379/0``.
         redis_key_prefix: prefix of every Redis key of the job store; gateways sharing a queue use the same one.
         lease_timeout_s: a claimed job whose runner sent no heartbeat for this long is claimed again by any gateway.
@@ -879,12 +880,30 @@ def _convert(raw: dict[str, Any], source: str, file: Path | None = None) -> Conf
         raise ConfigError(f"{where}: {message}{_did_you_mean(message)}") from exc
 
 
+STATE_DIR_NAME = "var"  # per-deployment state (the jobs database) lives in this folder beside the config file
+
+
+def default_jobs_sqlite_path(config_dir: str | Path | None = None) -> str:
+    """Return the jobs database used when ``jobs.sqlite_path`` is empty: ``<config_dir>/var/jobs.sqlite3``
+    (absolute; ``config_dir`` defaults to the working directory)."""
+    return str(Path(config_dir or Path.cwd()).resolve() / STATE_DIR_NAME / "jobs.sqlite3")
+
+
+def _with_state_paths(config: Config, config_path: Path) -> Config:
+    """Return ``config`` with an empty ``jobs.sqlite_path`` set to the default beside ``config_path``."""
+    if config.jobs.sqlite_path:
+        return config
+    jobs = msgspec.structs.replace(config.jobs, sqlite_path=default_jobs_sqlite_path(config_path.parent))
+    return msgspec.structs.replace(config, jobs=jobs)
+
+
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Config:
     """Load the config file, apply ``SLUICE_*`` overrides and return the frozen :class:`Config`.
 
     Args:
         path: the TOML file, which must exist; None means ``$SLUICE_CONFIG`` (which must exist too when set), else
-            ``config.toml`` in the working directory, and defaults when that does not exist.
+            ``config.toml`` in the working directory, and defaults when that does not exist. Per-deployment state
+            defaults to ``var/`` beside it (:func:`default_jobs_sqlite_path`).
         environ: the environment to read overrides from (default ``os.environ``).
 
     Raises:
@@ -898,7 +917,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     raw = _read_config_file(path, explicit)
     overrides = _env_overrides(environ)
     try:
-        return msgspec.convert(_apply_overrides(raw, overrides), Config)
+        return _with_state_paths(msgspec.convert(_apply_overrides(raw, overrides), Config), path)
     except msgspec.ValidationError as exc:
         merged_error = exc
     # Find whom to blame: the file alone, else the first override that fails on the file alone.

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.config import Config, ConfigError, load_config, with_overrides
+from shared.config import Config, ConfigError, JobsConfig, default_jobs_sqlite_path, load_config, with_overrides
 from tests.conftest import REPO_ROOT
 
 
@@ -42,8 +42,9 @@ def test_a_missing_file_named_by_sluice_config_is_an_error_naming_it(tmp_path, m
 
 def test_a_missing_implicit_default_file_means_the_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert load_config(environ={}) == Config()
-    assert load_config(environ={"SLUICE_CONFIG": ""}) == Config()  # empty = unset
+    defaults = msgspec.structs.replace(Config(), jobs=JobsConfig(sqlite_path=default_jobs_sqlite_path(tmp_path)))
+    assert load_config(environ={}) == defaults  # the jobs database in var/ of the working directory
+    assert load_config(environ={"SLUICE_CONFIG": ""}) == defaults  # empty = unset
 
 
 def test_the_implicit_default_file_is_read_when_present(tmp_path, monkeypatch):

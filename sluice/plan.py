@@ -729,7 +729,7 @@ def format_plan(result: Plan) -> str:
 # ------------------------------------------------------------------------------------------------------- CLI
 
 
-def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
+def measured_worker_model(base_url: str, fallback: WorkerModel, timeout_s: float = 5.0) -> WorkerModel:
     """Return ``fallback`` with the decode and prefill tokens/s measured by a running gateway's workers.
 
     Reads ``/status`` (each worker's last Capacity report: tokens per busy second of the steps of each phase) and
@@ -749,7 +749,7 @@ def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
     except ReplayError as exc:
         raise PlanError(str(exc)) from exc
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             status = json.loads(response.read())
     except OSError as exc:
         raise PlanError(f"GET {url}: {exc}") from exc
@@ -768,6 +768,33 @@ def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
     return replace(fallback, measured_decode_tokens_per_s=decode, measured_prefill_tokens_per_s=prefill or None,
                    measured_tpot_s=1.0 / sequence_decode if sequence_decode > 0 else None,
                    source=f"measured:{base_url}")
+
+
+LIVE_PROBE_TIMEOUT_S = 1.0
+
+
+def _live_or_roofline(config: Config, roofline: WorkerModel, roofline_only: bool) -> WorkerModel:
+    """Return the worker model measured by the config's gateway when it answers with rates (and not
+    ``roofline_only``), else ``roofline``; print one line that says which and why."""
+    sim = config.sim
+    what = (f"the built-in [sim] roofline ({sim.model_params_b:g} B parameters, {sim.hbm_bandwidth_gb_s:g} GB/s "
+            f"HBM: an H200 serving Llama-3-8B unless [sim] says otherwise), not a served model")
+    if roofline_only:
+        print(f"planning for {what} (--roofline)")
+        return roofline
+    host = "127.0.0.1" if config.gateway.host in ("0.0.0.0", "", "::") else config.gateway.host
+    url = f"http://{host}:{config.gateway.port}"
+    try:
+        measured = measured_worker_model(url, roofline, timeout_s=LIVE_PROBE_TIMEOUT_S)
+    except PlanError as exc:
+        print(f"planning for {what}: {exc}. To plan for the served model, run load through it first (e.g. sluice "
+              f"replay … --capacity-scale 0.5), then plan again or pass --from-status URL; --roofline silences "
+              f"this line")
+        return roofline
+    print(f"planning from the rates the workers of {url} measured (decode "
+          f"{measured.measured_decode_tokens_per_s:.1f} tokens/s, prefill "
+          f"{measured.measured_prefill_tokens_per_s or 0:.0f} tokens/s); --roofline plans for the [sim] roofline")
+    return measured
 
 
 def tier_priorities(config: Config) -> dict[str, int]:
@@ -856,8 +883,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of each tier's requests that must meet its SLO, in (0, 1] (default %(default)s)")
     parser.add_argument("--order", choices=("priority", "fifo"), default="priority",
                         help="queue order: by tier priority or arrival (default %(default)s)")
-    parser.add_argument("--from-status", type=_loopback_url, default=None, metavar="URL",
-                        help="use decode/prefill tokens/s measured by this gateway's workers (/status; loopback)")
+    model_source = parser.add_mutually_exclusive_group()
+    model_source.add_argument("--from-status", type=_loopback_url, default=None, metavar="URL",
+                              help="use decode/prefill tokens/s measured by this gateway's workers (/status; "
+                              "loopback). Default: the gateway of --config (gateway.host:port) when it answers "
+                              "with measured rates, else the [sim] roofline")
+    model_source.add_argument("--roofline", action="store_true",
+                              help="plan for the [sim] roofline (an H200 serving Llama-3-8B by default) even when "
+                              "a gateway answers")
     parser.add_argument("--queue-model", choices=("auto", "trace", "allen-cunneen"), default="auto",
                         help="auto = trace-driven with a trace, Allen–Cunneen with a rate; trace needs --trace")
     parser.add_argument("--max-workers", type=number(int, f"in [1, {MAX_WORKERS}]", lambda v: 1 <= v <= MAX_WORKERS),
@@ -932,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.from_status:
             model = measured_worker_model(args.from_status, model)
+        else:
+            model = _live_or_roofline(config, model, args.roofline)
         priorities = tier_priorities(config) if args.order == "priority" else None
         result = plan(model, workload, args.slo_ttft_s, priorities, args.slo_attainment, args.max_workers,
                       args.queue_model)

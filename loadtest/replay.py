@@ -62,6 +62,7 @@ from loadtest.traces import (
 
 DEFAULT_TIER_MIX = "vip=0.2,standard=0.6,free=0.2"
 DEFAULT_SLO = "vip=1,standard=5,free=5"
+DEFAULT_DURATION_S = 60.0  # arrival window of a --rate-scale replay, seconds
 # Leave room for the chat template's rounding when clipping prompts to the context, tokens.
 CONTEXT_MARGIN_TOKENS = 16
 
@@ -385,8 +386,8 @@ async def _reach_tiers(session, opts: ReplayOptions, model: str, requests: list[
     return notes
 
 
-def prepare_requests(trace: str, rate_scale: float, max_requests: int, duration_s: float, tier_mix: dict[str, float],
-                     seed: int, start_s: float = 0.0) -> list[TraceRequest]:
+def prepare_requests(trace: str, rate_scale: float, max_requests: int, duration_s: float | None,
+                     tier_mix: dict[str, float], seed: int, start_s: float = 0.0) -> list[TraceRequest]:
     """Load, shape and tier a trace (see :mod:`loadtest.traces`)."""
     shaped = shape_trace(load_trace(trace), rate_scale=rate_scale, max_requests=max_requests,
                          duration_s=duration_s, start_s=start_s)
@@ -454,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slo-ttft-s", default=DEFAULT_SLO, metavar="TIER=SECONDS,…",
                         help="TTFT SLO per tier, seconds: attainment and goodput in the table (default %(default)s)")
     parser.add_argument("--max-requests", type=_positive_int, default=500, help="replay at most this many requests (default %(default)s)")
-    parser.add_argument("--duration-s", type=_positive_float, default=60.0,
-                        help="replay requests arriving within this many seconds, after scaling (default %(default)s)")
+    parser.add_argument("--duration-s", type=_positive_float, default=None,
+                        help="replay requests arriving within this many seconds, after scaling (default 60 with "
+                        "--rate-scale; none with --capacity-scale: --max-requests bounds the replay)")
     parser.add_argument("--start-s", type=float, default=0.0, help="skip the trace's first S seconds (unscaled)")
     parser.add_argument("--max-input-tokens", type=_positive_int, default=None,
                         help="clip prompts to this many tokens (default: the served model's context, less the "
@@ -545,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         rate_scale = args.rate_scale or 1.0
         if args.capacity_scale is not None:
             rate_scale = asyncio.run(size_to_capacity(args, tier_mix, api_keys, builder))
-        requests = prepare_requests(args.trace, rate_scale, args.max_requests, args.duration_s, tier_mix,
+        duration_s = args.duration_s or (None if args.capacity_scale is not None else DEFAULT_DURATION_S)
+        requests = prepare_requests(args.trace, rate_scale, args.max_requests, duration_s, tier_mix,
                                     args.seed, args.start_s)
     except (ReplayError, TraceError) as exc:
         print(f"sluice replay: {exc}", file=sys.stderr)
@@ -553,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if not requests:
         print("sluice replay: the trace window holds no request", file=sys.stderr)
         return 2
+    print(f"replaying {len(requests)} requests arriving over {requests[-1].arrival_s:.0f} s")
     opts = ReplayOptions(base_url=args.base_url, slo_ttft_s_by_tier=slo, api_key_by_tier=api_keys,
                          tier_header=args.tier_header, model=args.model, ignore_eos=not args.no_ignore_eos,
                          drain_timeout_s=args.drain_timeout_s, status_interval_s=args.status_interval_s,

@@ -44,9 +44,10 @@ T / L answers/s. This planner keeps that core and adds what it leaves out:
    takes (decode as the high class of a preemptive priority queue). Utilisation is still λ · E[S] / c.
 
 Workers needed = the least c for which every tier's predicted SLO attainment (share of its requests with TTFT ≤
-SLO) reaches the target. Inputs: the roofline from ``[sim]``/``[worker]`` of config.toml, or decode and prefill
-tokens/s measured by a running gateway's workers (``--from-status URL``: read ``/status``; measure at saturation);
-a trace (``loadtest.traces``) or a rate and lengths; SLOs and the tier mix.
+SLO) reaches the target. Inputs: decode and prefill tokens/s (and TPOT) measured by a running gateway's workers
+(``/status``: the config's gateway when it answers with measured rates, or ``--from-status URL``; measure under the
+load to plan for), else (or with ``--roofline``) the roofline from ``[sim]``/``[worker]`` of config.toml, with a
+first line that says which; a trace (``loadtest.traces``) or a rate and lengths; SLOs and the tier mix.
 
 Usage::
 

@@ -788,9 +788,9 @@ def _live_or_roofline(config: Config, roofline: WorkerModel, roofline_only: bool
     try:
         measured = measured_worker_model(url, roofline, timeout_s=LIVE_PROBE_TIMEOUT_S)
     except PlanError as exc:
-        print(f"planning for {what}: {exc}. To plan for the served model, run load through it first (e.g. sluice "
-              f"replay … --capacity-scale 0.5), then plan again or pass --from-status URL; --roofline silences "
-              f"this line")
+        print(f"planning for {what}: no measured rates from {url} ({exc}). To plan for the served model, run "
+              f"load through it first (e.g. sluice replay … --capacity-scale 0.5), then plan again or pass "
+              f"--from-status URL; --roofline silences this line")
         return roofline
     print(f"planning from the rates the workers of {url} measured (decode "
           f"{measured.measured_decode_tokens_per_s:.1f} tokens/s, prefill "

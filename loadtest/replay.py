@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of requests per tier, assigned at random (see --seed; default %(default)s)")
     parser.add_argument("--slo-ttft-s", default=DEFAULT_SLO, metavar="TIER=SECONDS,…",
                         help="TTFT SLO per tier, seconds: attainment and goodput in the table (default %(default)s)")
-    parser.add_argument("--max-requests", type=_positive_int, default=500, help="replay at most this many requests (default %(default)s)")
+    parser.add_argument("--max-requests", type=_positive_int, default=500,
+                        help="replay at most this many requests (default %(default)s)")
     parser.add_argument("--duration-s", type=_positive_float, default=None,
                         help="replay requests arriving within this many seconds, after scaling (default 60 with "
                         "--rate-scale; none with --capacity-scale: --max-requests bounds the replay)")
@@ -463,8 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="clip prompts to this many tokens (default: the served model's context, less the "
                         "output)")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
-                        help="cancel requests still running this long after the last arrival, seconds (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tier assignment")
+                        help="cancel requests still running this long after the last arrival, seconds "
+                        "(default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tier assignment (default %(default)s)")
     parser.add_argument("--prompt-salt", type=int, default=0, help="vary prompt text between runs (no cache hits)")
     parser.add_argument("--api-key", action="append", default=[], metavar="TIER=KEY",
                         help="API key to send for a tier ('*=KEY' for all; repeatable); default none")

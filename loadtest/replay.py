@@ -154,7 +154,7 @@ class ReplayOptions:
     request_timeout_s: float = 600.0
     prompt_salt: int = 0
     max_input_tokens: int | None = None
-    probe_tiers: bool = True
+    probe_tiers: bool = False  # the CLI probes; benches and the harness replay their tiers as given
 
     def headers_for(self, tier: str | None) -> dict[str, str]:
         """Return the tier header and the API key to send for a request of ``tier``."""

@@ -31,6 +31,7 @@ from aiohttp import web
 from gateway.app import build_app
 from gateway.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.config import ConfigError, load_config, with_overrides
+from shared.logs import configure_logging as configure_log_output
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -117,7 +118,7 @@ async def serve(options: GatewayOptions) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sluice serve``; returns the exit status."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    configure_logging()
+    configure_log_output()
     try:
         config = load_config(args.config)
         gateway: dict = {}

@@ -2,15 +2,22 @@
 
 Usage::
 
+    sluice replay azure-code --capacity-scale 0.8 --base-url http://127.0.0.1:8000 --max-requests 40
     sluice replay azure-code --rate-scale 2 --base-url http://127.0.0.1:8000 \\
         --tier-mix vip=0.2,standard=0.6,free=0.2 --slo-ttft-s vip=1,standard=5,free=5 \\
         --max-requests 600 --duration-s 60 --json out.json --plot-dir plots/
+
+``--capacity-scale X`` offers X times the capacity the gateway's workers measured for this trace
+(:mod:`loadtest.sizing`), so the same command means the same relative load on a CPU and on an H200;
+``--rate-scale`` divides the trace's own inter-arrival times instead.
 
 Open loop: each request is sent at its (scaled) trace time whatever the server does, as a streamed chat completion
 whose prompt is real text (Arena-Hard) of about the trace's input length in the served tokenizer's tokens, with
 ``max_tokens`` = the trace's output length and ``ignore_eos`` so the answer has that length. The tier travels in
 the ``x-sluice-tier`` header, which can only lower a tier: the server must give the replay's key (``--api-key``
-per tier, or none) a tier at least as high as the highest one in the mix — e.g. ``default_tier = "vip"``.
+per tier, or none) a tier at least as high as the highest one in the mix — e.g. ``default_tier = "vip"``. Before
+the replay, one 1-token request per tier checks which tier the gateway gives it; requests of a tier the key cannot
+reach are replayed (and reported) in the tier the gateway gives them, with a line that says so.
 
 Bounded: at most ``--max-requests`` requests arriving within ``--duration-s``; requests still running
 ``--drain-timeout-s`` after the last arrival are cancelled (outcome ``client_timeout``). Loopback only: any other
@@ -23,14 +30,23 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from loadtest.sizing import (
+    CALIBRATION_MAX_INPUT_TOKENS,
+    CALIBRATION_REQUESTS,
+    SizingError,
+    measure_capacity,
+    probe_tiers,
+    rate_scale_for,
+)
 from loadtest.summary import RequestResult, format_table, summarize
 from loadtest.traces import (
     MOONCAKE_BLOCK_TOKENS,
@@ -46,6 +62,7 @@ from loadtest.traces import (
 
 DEFAULT_TIER_MIX = "vip=0.2,standard=0.6,free=0.2"
 DEFAULT_SLO = "vip=1,standard=5,free=5"
+DEFAULT_DURATION_S = 60.0  # arrival window of a --rate-scale replay, seconds
 # Leave room for the chat template's rounding when clipping prompts to the context, tokens.
 CONTEXT_MARGIN_TOKENS = 16
 
@@ -136,6 +153,18 @@ class ReplayOptions:
     status_interval_s: float = 0.5
     request_timeout_s: float = 600.0
     prompt_salt: int = 0
+    max_input_tokens: int | None = None
+    probe_tiers: bool = False  # the CLI probes; benches and the harness replay their tiers as given
+
+    def headers_for(self, tier: str | None) -> dict[str, str]:
+        """Return the tier header and the API key to send for a request of ``tier``."""
+        headers: dict[str, str] = {}
+        if tier:
+            headers[self.tier_header] = tier
+        api_key = self.api_key_by_tier.get(tier or "") or self.api_key_by_tier.get("*")
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        return headers
 
 
 @dataclass
@@ -148,6 +177,7 @@ class ReplayRun:
     model: str
     max_model_len_tokens: int | None
     num_clipped: int
+    tier_notes: list[str] = field(default_factory=list)
 
 
 async def _fetch_model(session, base_url: str) -> tuple[str, int | None]:
@@ -180,12 +210,7 @@ async def _send_one(session, opts: ReplayOptions, model: str, req: TraceRequest,
     }
     if opts.ignore_eos:
         body["ignore_eos"] = True
-    headers: dict[str, str] = {}
-    if req.tier:
-        headers[opts.tier_header] = req.tier
-    api_key = opts.api_key_by_tier.get(req.tier or "") or opts.api_key_by_tier.get("*")
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = opts.headers_for(req.tier)
     sent = time.perf_counter()
     result.sent_s = sent - t0
     first_s: float | None = None
@@ -261,9 +286,23 @@ async def _poll_status(session, base_url: str, interval_s: float, t0: float, out
         await asyncio.sleep(interval_s)
 
 
+def clipped_input_tokens(req: TraceRequest, max_model_len_tokens: int | None,
+                         max_input_tokens: int | None = None) -> int:
+    """Return the request's prompt length clipped to the served context (less its output and a margin) and to
+    ``max_input_tokens``, tokens (at least 1)."""
+    input_tokens = req.input_tokens
+    if max_model_len_tokens:
+        limit = max_model_len_tokens - min(req.output_tokens, max_model_len_tokens // 2) - CONTEXT_MARGIN_TOKENS
+        input_tokens = min(input_tokens, max(1, limit))
+    if max_input_tokens:
+        input_tokens = min(input_tokens, max_input_tokens)
+    return max(1, input_tokens)
+
+
 def build_texts(requests: list[TraceRequest], max_model_len_tokens: int | None,
-                prompt_builder, salt: int = 0) -> tuple[list[str], list[int], int]:
-    """Return (user text, clipped input tokens) per request, and how many prompts were clipped to the context.
+                prompt_builder, salt: int = 0, max_input_tokens: int | None = None) -> tuple[list[str], list[int], int]:
+    """Return (user text, clipped input tokens) per request, and how many prompts were clipped (to the context,
+    or to ``max_input_tokens``).
 
     ``salt`` makes the prompts of one replay differ from another's (so a second run gets no prefix-cache hits).
     """
@@ -271,12 +310,8 @@ def build_texts(requests: list[TraceRequest], max_model_len_tokens: int | None,
     inputs: list[int] = []
     num_clipped = 0
     for i, req in enumerate(requests):
-        input_tokens = req.input_tokens
-        if max_model_len_tokens:
-            limit = max_model_len_tokens - min(req.output_tokens, max_model_len_tokens // 2) - CONTEXT_MARGIN_TOKENS
-            if input_tokens > limit:
-                input_tokens = max(1, limit)
-                num_clipped += 1
+        input_tokens = clipped_input_tokens(req, max_model_len_tokens, max_input_tokens)
+        num_clipped += input_tokens < req.input_tokens
         inputs.append(input_tokens)
         texts.append(prompt_builder.user_text(input_tokens, salt * 1_000_003 + i, req.hash_ids,
                                               MOONCAKE_BLOCK_TOKENS))
@@ -301,8 +336,9 @@ async def run_replay(requests: list[TraceRequest], opts: ReplayOptions, prompt_b
         except aiohttp.ClientError as exc:
             raise ReplayError(f"gateway at {base_url} unreachable: {exc}") from exc
         model = opts.model or served_model
+        tier_notes = await _reach_tiers(session, opts, model, requests) if opts.probe_tiers else []
         texts, inputs, num_clipped = await asyncio.to_thread(build_texts, requests, max_model_len, prompt_builder,
-                                                             opts.prompt_salt)
+                                                             opts.prompt_salt, opts.max_input_tokens)
         results = [RequestResult(index=i, tier=req.tier or "", arrival_s=req.arrival_s, input_tokens=inputs[i],
                                  max_tokens=max(1, req.output_tokens)) for i, req in enumerate(requests)]
         samples: list[StatusSample] = []
@@ -328,11 +364,30 @@ async def run_replay(requests: list[TraceRequest], opts: ReplayOptions, prompt_b
             await asyncio.gather(poller, return_exceptions=True)
         wall_s = time.perf_counter() - t0
     return ReplayRun(results=results, status_samples=samples, wall_s=wall_s, model=model,
-                     max_model_len_tokens=max_model_len, num_clipped=num_clipped)
+                     max_model_len_tokens=max_model_len, num_clipped=num_clipped, tier_notes=tier_notes)
 
 
-def prepare_requests(trace: str, rate_scale: float, max_requests: int, duration_s: float, tier_mix: dict[str, float],
-                     seed: int, start_s: float = 0.0) -> list[TraceRequest]:
+async def _reach_tiers(session, opts: ReplayOptions, model: str, requests: list[TraceRequest]) -> list[str]:
+    """Probe the tiers of ``requests``; give the requests of a tier the key cannot reach the tier the gateway
+    gives them instead (in place); return one line per such tier."""
+    tiers = sorted({req.tier for req in requests if req.tier})
+    served = await probe_tiers(session, opts.base_url, model, {tier: opts.headers_for(tier) for tier in tiers})
+    moved = {tier: got for tier, got in served.items() if got is not None and got != tier}
+    notes = []
+    for tier, got in moved.items():
+        count = sum(req.tier == tier for req in requests)
+        key = "the key sent" if opts.api_key_by_tier.get(tier) or opts.api_key_by_tier.get("*") else "no API key"
+        notes.append(f"tier '{tier}' is above what {key} gets (the gateway serves it as '{got}'): its {count} "
+                     f"requests are replayed as '{got}'. To replay '{tier}', pass --api-key {tier}=KEY with a key "
+                     f"of that tier, or set default_tier = \"{tier}\" in the gateway's config")
+    for i, req in enumerate(requests):
+        if req.tier in moved:
+            requests[i] = replace(req, tier=moved[req.tier])
+    return notes
+
+
+def prepare_requests(trace: str, rate_scale: float, max_requests: int, duration_s: float | None,
+                     tier_mix: dict[str, float], seed: int, start_s: float = 0.0) -> list[TraceRequest]:
     """Load, shape and tier a trace (see :mod:`loadtest.traces`)."""
     shaped = shape_trace(load_trace(trace), rate_scale=rate_scale, max_requests=max_requests,
                          duration_s=duration_s, start_s=start_s)
@@ -366,31 +421,113 @@ def _parse_api_keys(values: list[str]) -> dict[str, str]:
     return out
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sluice replay", description=__doc__.splitlines()[0])
+def _positive(kind, text: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _positive(float, text)
+
+
+def _positive_int(text: str) -> int:
+    return _positive(int, text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``sluice replay`` (every option with its help and default)."""
+    parser = argparse.ArgumentParser(prog="sluice replay", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("trace", help="azure-code | azure-conv | mooncake-conv | path to a .csv/.jsonl trace")
-    parser.add_argument("--rate-scale", type=float, default=1.0, help="compress inter-arrival times by X")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--capacity-scale", type=_positive_float, default=None, metavar="X",
+                      help="offer X times the capacity the gateway's workers measured for this trace (calibrates "
+                      "with a few requests first when nothing is measured yet); 1 = as much as they serve")
+    load.add_argument("--rate-scale", type=_positive_float, default=None, metavar="X",
+                      help="divide the trace's inter-arrival times by X (default 1: the trace's own rate)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="gateway URL (loopback only)")
-    parser.add_argument("--tier-mix", default=DEFAULT_TIER_MIX)
-    parser.add_argument("--slo-ttft-s", default=DEFAULT_SLO, help="TTFT SLO per tier, seconds")
-    parser.add_argument("--max-requests", type=int, default=500)
-    parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window after scaling, seconds")
+    parser.add_argument("--tier-mix", default=DEFAULT_TIER_MIX, metavar="TIER=WEIGHT,…",
+                        help="share of requests per tier, assigned at random (see --seed; default %(default)s)")
+    parser.add_argument("--slo-ttft-s", default=DEFAULT_SLO, metavar="TIER=SECONDS,…",
+                        help="TTFT SLO per tier, seconds: attainment and goodput in the table (default %(default)s)")
+    parser.add_argument("--max-requests", type=_positive_int, default=500,
+                        help="replay at most this many requests (default %(default)s)")
+    parser.add_argument("--duration-s", type=_positive_float, default=None,
+                        help="replay requests arriving within this many seconds, after scaling (default 60 with "
+                        "--rate-scale; none with --capacity-scale: --max-requests bounds the replay)")
     parser.add_argument("--start-s", type=float, default=0.0, help="skip the trace's first S seconds (unscaled)")
+    parser.add_argument("--max-input-tokens", type=_positive_int, default=None,
+                        help="clip prompts to this many tokens (default: the served model's context, less the "
+                        "output)")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
-                        help="cancel requests still running this long after the last arrival")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tier assignment")
+                        help="cancel requests still running this long after the last arrival, seconds "
+                        "(default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tier assignment (default %(default)s)")
     parser.add_argument("--prompt-salt", type=int, default=0, help="vary prompt text between runs (no cache hits)")
     parser.add_argument("--api-key", action="append", default=[], metavar="TIER=KEY",
-                        help="API key to send for a tier ('*=KEY' for all); default none")
-    parser.add_argument("--tier-header", default="x-sluice-tier")
+                        help="API key to send for a tier ('*=KEY' for all; repeatable); default none")
+    parser.add_argument("--tier-header", default="x-sluice-tier",
+                        help="request header that carries the tier (the gateway's admission.tier_header)")
+    parser.add_argument("--no-tier-probe", action="store_true",
+                        help="do not check first which tier the gateway gives each tier's requests")
     parser.add_argument("--model", default=None, help="model id (default: the gateway's /v1/models)")
     parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="size prompts by words instead of the served tokenizer")
-    parser.add_argument("--status-interval-s", type=float, default=0.5)
+    parser.add_argument("--status-interval-s", type=_positive_float, default=0.5,
+                        help="how often /status is polled for the queue-depth plot, seconds (default %(default)s)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the JSON report here")
     parser.add_argument("--plot-dir", default=None, help="write latency and queue-depth PNGs here")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``sluice replay``'s options (exit 2 with a usage error naming a bad one)."""
+    return build_parser().parse_args(argv)
+
+
+async def size_to_capacity(args: argparse.Namespace, tier_mix: dict[str, float], api_keys: dict[str, str],
+                           prompt_builder) -> float:
+    """Return the ``rate_scale`` that offers ``args.capacity_scale`` × the gateway's measured capacity for the
+    trace window ``args`` selects; print how it was measured.
+
+    Raises:
+        ReplayError: the gateway is unreachable or measures no capacity.
+    """
+    import aiohttp
+
+    base_url = check_loopback(args.base_url)
+    unscaled = prepare_requests(args.trace, 1.0, args.max_requests, None, tier_mix, args.seed, args.start_s)
+    timeout = aiohttp.ClientTimeout(total=600, sock_connect=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        try:
+            served_model, max_model_len = await _fetch_model(session, base_url)
+            inputs = [clipped_input_tokens(r, max_model_len, args.max_input_tokens) for r in unscaled]
+            calibration_tokens = min(int(statistics.median(inputs)), CALIBRATION_MAX_INPUT_TOKENS)
+            texts = [prompt_builder.user_text(calibration_tokens, 7_000_000 + i + args.prompt_salt * 1_000_003)
+                     for i in range(CALIBRATION_REQUESTS)]
+            headers = ReplayOptions(base_url, {}, api_key_by_tier=api_keys).headers_for(None)
+            capacity, calibrated = await measure_capacity(session, base_url, args.model or served_model, texts,
+                                                          headers)
+        except (aiohttp.ClientError, SizingError) as exc:
+            raise ReplayError(f"--capacity-scale: {exc}") from exc
+    outputs = [max(1, r.output_tokens) for r in unscaled]
+    capacity_per_s = capacity.requests_per_s(inputs, outputs)
+    try:
+        rate_scale = rate_scale_for(args.capacity_scale, capacity_per_s, unscaled)
+    except SizingError as exc:
+        raise ReplayError(f"--capacity-scale: {exc}") from exc
+    how = f"after {CALIBRATION_REQUESTS} calibration requests" if calibrated else "from /status"
+    print(f"capacity: {capacity_per_s:.3f} requests/s of this trace (mean prompt {statistics.fmean(inputs):.0f}, "
+          f"answer {statistics.fmean(outputs):.0f} tokens) on {capacity.num_workers} worker(s), measured {how}: "
+          f"{capacity.describe()}")
+    print(f"replaying at {args.capacity_scale:g} × capacity = {args.capacity_scale * capacity_per_s:.3f} "
+          f"requests/s (--rate-scale {rate_scale:.4g})")
+    return rate_scale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,12 +535,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         check_loopback(args.base_url)
-        if args.max_requests < 1 or args.duration_s <= 0:
-            raise ReplayError("--max-requests must be ≥ 1 and --duration-s > 0")
         tier_mix = parse_mix(args.tier_mix)
         slo = parse_per_tier_float(args.slo_ttft_s)
         api_keys = _parse_api_keys(args.api_key)
-        requests = prepare_requests(args.trace, args.rate_scale, args.max_requests, args.duration_s, tier_mix,
+        load_trace(args.trace)  # a bad trace name fails here, before any request is sent
+    except (ReplayError, TraceError) as exc:
+        print(f"sluice replay: {exc}", file=sys.stderr)
+        return 2
+    from loadtest.prompts import PromptBuilder, load_tokenizer
+
+    builder = PromptBuilder(None if args.no_tokenizer else load_tokenizer())
+    try:
+        rate_scale = args.rate_scale or 1.0
+        if args.capacity_scale is not None:
+            rate_scale = asyncio.run(size_to_capacity(args, tier_mix, api_keys, builder))
+        duration_s = args.duration_s or (None if args.capacity_scale is not None else DEFAULT_DURATION_S)
+        requests = prepare_requests(args.trace, rate_scale, args.max_requests, duration_s, tier_mix,
                                     args.seed, args.start_s)
     except (ReplayError, TraceError) as exc:
         print(f"sluice replay: {exc}", file=sys.stderr)
@@ -411,19 +558,20 @@ def main(argv: list[str] | None = None) -> int:
     if not requests:
         print("sluice replay: the trace window holds no request", file=sys.stderr)
         return 2
-    from loadtest.prompts import PromptBuilder, load_tokenizer
-
-    builder = PromptBuilder(None if args.no_tokenizer else load_tokenizer())
+    print(f"replaying {len(requests)} requests arriving over {requests[-1].arrival_s:.0f} s")
     opts = ReplayOptions(base_url=args.base_url, slo_ttft_s_by_tier=slo, api_key_by_tier=api_keys,
                          tier_header=args.tier_header, model=args.model, ignore_eos=not args.no_ignore_eos,
                          drain_timeout_s=args.drain_timeout_s, status_interval_s=args.status_interval_s,
-                         prompt_salt=args.prompt_salt)
+                         prompt_salt=args.prompt_salt, max_input_tokens=args.max_input_tokens,
+                         probe_tiers=not args.no_tier_probe)
     try:
         run = asyncio.run(run_replay(requests, opts, builder))
     except ReplayError as exc:
         print(f"sluice replay: {exc}", file=sys.stderr)
         return 2
-    options = {k: v for k, v in vars(args).items() if k != "api_key"}
+    for note in run.tier_notes:
+        print(f"sluice replay: note: {note}", file=sys.stderr)
+    options = {k: v for k, v in vars(args).items() if k != "api_key"} | {"rate_scale": rate_scale}
     result = report(run, requests, options, slo)
     print(format_table(result["summary"]))
     mislabelled = Counter((r.tier, r.served_tier) for r in run.results if r.served_in_another_tier)

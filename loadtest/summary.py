@@ -208,4 +208,23 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(f"{name:<10}{s['count']:>6}{s['ok']:>6}{s['rejected']:>5}{ms(s['ttft_s']['p50']):>10}"
                      f"{ms(s['ttft_s']['p90']):>8}{ms(s['ttft_s']['p99']):>8}{ms(s['tpot_s']['p50']):>10}"
                      f"{ms(s['e2e_s']['p99']):>9}{pct(s['slo_attainment']):>8}{goodput:>11}")
+    reasons = [(name, text) for name, s in summary["tiers"].items() if (text := not_ok_reasons(s))]
+    if reasons:
+        lines += ["", "not ok, by reason (error code, or outcome):"]
+        lines += [f"  {name:<10}{text}" for name, text in reasons]
     return "\n".join(lines)
+
+
+def not_ok_reasons(group: dict[str, Any]) -> str:
+    """Return why a :func:`summarize_group`'s requests were not ok, e.g. ``queue_timeout 12 (503, Retry-After
+    p50 3 s), client_timeout 1``; "" when all were ok."""
+    parts = []
+    for code, entry in sorted(group["rejections"].items(), key=lambda item: -item[1]["count"]):
+        retry = entry["retry_after_s"]["p50"]
+        after = f", Retry-After p50 {retry:.0f} s" if retry is not None else ""
+        parts.append(f"{code} {entry['count']} ({entry['status']}{after})")
+    rejected_keys = {f"http_{status}" for status in REJECTION_STATUSES}
+    for outcome, count in sorted(group["outcomes"].items()):
+        if outcome != "ok" and outcome not in rejected_keys:
+            parts.append(f"{outcome} {count}")
+    return ", ".join(parts)

@@ -11,7 +11,9 @@ The config is never mutated at run time.
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -531,8 +533,9 @@ class JobsConfig(_Section):
 
     Attributes:
         store: ``sqlite`` (a file, the embedded default) or ``redis`` (one queue shared by several gateways).
-        sqlite_path: the SQLite database file (WAL mode); "" = ``$XDG_STATE_HOME/sluice/jobs.sqlite3``
-            (``~/.local/state/sluice/jobs.sqlite3``); a relative path is relative to the working directory.
+        sqlite_path: the SQLite database file (WAL mode); "" = ``var/jobs.sqlite3`` beside the config file (in the
+            working directory without one), so each deployment keeps its own jobs; a relative path is relative to
+            the working directory.
         redis_url: the Redis server when ``store = "redis"``, e.g. ``redis://127.0.0.1:6379/0``.
         redis_key_prefix: prefix of every Redis key of the job store; gateways sharing a queue use the same one.
         lease_timeout_s: a claimed job whose runner sent no heartbeat for this long is claimed again by any gateway.
@@ -566,7 +569,16 @@ class JobsConfig(_Section):
 
 
 class Config(_Section):
-    """The whole ``config.toml``."""
+    """The whole ``config.toml``.
+
+    Attributes:
+        model, gateway, worker, kv, sim, admission, pressure, breaker, autoscale, registry, ratelimit, jobs: the
+            tables of the same names.
+        tiers: the ``[[tiers]]`` tables; none = the default vip / standard / free / batch.
+        default_tier: the tier of a request without an API key (when ``admission.require_api_key`` is false).
+        api_keys: the ``[[api_keys]]`` tables (also from ``admission.keys_file``).
+        pools: the ``[[pools]]`` tables; none = one pool of ``worker.num_local_workers`` local workers.
+    """
 
     model: ModelConfig = ModelConfig()
     gateway: GatewayConfig = GatewayConfig()
@@ -793,12 +805,97 @@ def _read_config_file(path: Path, explicit: bool) -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc}") from exc
 
 
-def _convert(raw: dict[str, Any], source: str) -> Config:
-    """Decode ``raw`` into a :class:`Config`; on failure raise a ConfigError that names ``source`` and the key."""
+_ERROR_AT = re.compile(r" - at `\$((?:\.[^.`\[]+|\[\d+\]|\[\.\.\.\])*)`$")  # [...]: a key of a table
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]+)`")
+_TOML_TABLE = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-]+)\s*\]\]?")
+_TOML_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=")
+
+
+def _error_key_path(message: str) -> list[str | int]:
+    """Return the key path a msgspec validation message points at (``$.tiers[0].name`` -> ["tiers", 0, "name"]),
+    with the unknown key itself appended for an unknown-field error."""
+    parts: list[str | int] = []
+    if at := _ERROR_AT.search(message):
+        for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", at.group(1)):
+            parts.append(int(index) if index else name)
+    if unknown := _UNKNOWN_FIELD.match(message):
+        parts.append(unknown.group(1))
+    return parts
+
+
+def _did_you_mean(message: str) -> str:
+    """Return ``"; did you mean `key`?"`` for an unknown key close to a valid one of its table, else ""."""
+    unknown = _UNKNOWN_FIELD.match(message)
+    if unknown is None:
+        return ""
+    info: Any = msgspec.inspect.type_info(Config)
+    for part in _error_key_path(message)[:-1]:
+        if isinstance(info, msgspec.inspect.ListType):
+            info = info.item_type
+        if isinstance(part, str) and isinstance(info, msgspec.inspect.StructType):
+            info = next((f.type for f in info.fields if f.name == part), None)
+    if isinstance(info, msgspec.inspect.ListType):
+        info = info.item_type
+    if not isinstance(info, msgspec.inspect.StructType):
+        return ""
+    close = difflib.get_close_matches(unknown.group(1), [f.name for f in info.fields], n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _line_of(text: str, key_path: list[str | int]) -> int | None:
+    """Return the 1-based line of ``text`` (TOML) that sets the longest prefix of ``key_path``, or None."""
+    table: list[str | int] = []
+    occurrences: dict[str, int] = {}
+    best_line, best_len = None, 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if header := _TOML_TABLE.match(line):
+            table = list(header.group(2).split("."))
+            if header.group(1) == "[[":
+                name = header.group(2)
+                occurrences[name] = occurrences.get(name, -1) + 1
+                table.append(occurrences[name])
+            here = table
+        elif key := _TOML_KEY.match(line):
+            here = table + [key.group(1)]
+        else:
+            continue
+        if len(here) > best_len and key_path[:len(here)] == here:
+            best_line, best_len = number, len(here)
+    return best_line
+
+
+def _convert(raw: dict[str, Any], source: str, file: Path | None = None) -> Config:
+    """Decode ``raw`` into a :class:`Config`; on failure raise a ConfigError that names ``source`` (with the line
+    when ``raw`` is ``file``'s), the key, and the nearest valid key for an unknown one."""
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
+        message = str(exc)
+        line = None
+        if file is not None:
+            try:
+                line = _line_of(file.read_text(), _error_key_path(message))
+            except (OSError, UnicodeDecodeError):
+                line = None
+        where = f"{source}:{line}" if line is not None else source
+        raise ConfigError(f"{where}: {message}{_did_you_mean(message)}") from exc
+
+
+STATE_DIR_NAME = "var"  # per-deployment state (the jobs database) lives in this folder beside the config file
+
+
+def default_jobs_sqlite_path(config_dir: str | Path | None = None) -> str:
+    """Return the jobs database used when ``jobs.sqlite_path`` is empty: ``<config_dir>/var/jobs.sqlite3``
+    (absolute; ``config_dir`` defaults to the working directory)."""
+    return str(Path(config_dir or Path.cwd()).resolve() / STATE_DIR_NAME / "jobs.sqlite3")
+
+
+def _with_state_paths(config: Config, config_path: Path) -> Config:
+    """Return ``config`` with an empty ``jobs.sqlite_path`` set to the default beside ``config_path``."""
+    if config.jobs.sqlite_path:
+        return config
+    jobs = msgspec.structs.replace(config.jobs, sqlite_path=default_jobs_sqlite_path(config_path.parent))
+    return msgspec.structs.replace(config, jobs=jobs)
 
 
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Config:
@@ -806,12 +903,14 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
 
     Args:
         path: the TOML file, which must exist; None means ``$SLUICE_CONFIG`` (which must exist too when set), else
-            ``config.toml`` in the working directory, and defaults when that does not exist.
+            ``config.toml`` in the working directory, and defaults when that does not exist. Per-deployment state
+            defaults to ``var/`` beside it (:func:`default_jobs_sqlite_path`).
         environ: the environment to read overrides from (default ``os.environ``).
 
     Raises:
         ConfigError: a missing explicit file, a TOML syntax error, an unknown key, a wrong type or a value out of
-            range; the message names the file, or the ``SLUICE_*`` variable the error came from, and the key.
+            range; the message names the file and line (``config.toml:12: …``), or the ``SLUICE_*`` variable the
+            error came from, and the key; an unknown key close to a valid one adds ``did you mean `key`?``.
     """
     environ = dict(os.environ if environ is None else environ)
     explicit = path is not None or bool(environ.get("SLUICE_CONFIG"))
@@ -819,11 +918,11 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     raw = _read_config_file(path, explicit)
     overrides = _env_overrides(environ)
     try:
-        return msgspec.convert(_apply_overrides(raw, overrides), Config)
+        return _with_state_paths(msgspec.convert(_apply_overrides(raw, overrides), Config), path)
     except msgspec.ValidationError as exc:
         merged_error = exc
     # Find whom to blame: the file alone, else the first override that fails on the file alone.
-    _convert(raw, str(path))
+    _convert(raw, str(path), path)
     for override in overrides:
         _convert(_apply_overrides(raw, [override]), override.label())
     labels = ", ".join(override.label() for override in overrides)

@@ -167,8 +167,10 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
         cached_kv_blocks: blocks held only by the prefix cache (evictable).
         num_running: sequences being decoded / prefilled.
         num_waiting: sequences queued in the worker.
-        decode_tokens_per_s: decode throughput over the last window.
-        prefill_tokens_per_s: prefill throughput over the last window.
+        decode_tokens_per_s: decode tokens per second of the engine steps that decode (summed over the batch: the
+            mean decode batch ÷ TPOT), over the last few busy seconds of decoding (``worker.step_rates``).
+        prefill_tokens_per_s: prompt tokens per second of the engine steps that prefill, over the last few busy
+            seconds of prefilling. The two phase rates share the time of mixed steps: they do not add up.
         prefix_hit_rate: cached / prompt tokens over the last window.
         num_preemptions: total since start.
         pressure: ``normal``, ``elevated`` or ``critical`` as the worker sees its KV pool.
@@ -176,12 +178,13 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
         kv_stats: KV lifetime counters and gauges (hits per storage tier, evictions, offload / reload bytes,
             reload vs recompute decisions, preemptions by mode, block lifetime and reuse gap); keys are
             ``name`` or ``name{label=value,...}`` (see ``worker.kv_cache.stats.KVStats``).
-        sequence_decode_tokens_per_s: decode steps per second of the steps that decode, over the last window:
-            the tokens/s one running sequence gets, whatever the batch (0.0 = not measured; last, so that a
+        sequence_decode_tokens_per_s: decode steps per second of the steps that decode: 1 / TPOT, the tokens/s
+            one running sequence gets, whatever the batch (0.0 = not measured; after the fields above, so that a
             report from an older worker still decodes).
-        sequence_prefill_tokens_per_s: prompt tokens per second of the steps that prefill, over the last window:
-            how fast a prompt goes once it is being prefilled (``prefill_tokens_per_s`` counts every busy second,
-            decode-only steps too). 0.0 = not measured.
+        sequence_prefill_tokens_per_s: how fast a prompt goes once it is being prefilled, tokens/s (equal to
+            ``prefill_tokens_per_s``). 0.0 = not measured.
+        busy_tokens_per_s: prompt + decode tokens per second of all engine steps: the work a backlog drains at per
+            busy second (0.0 = not measured).
     """
 
     free_kv_blocks: int
@@ -199,6 +202,7 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
     kv_stats: dict[str, float] = {}
     sequence_decode_tokens_per_s: float = 0.0
     sequence_prefill_tokens_per_s: float = 0.0
+    busy_tokens_per_s: float = 0.0
 
 
 class Pong(msgspec.Struct, tag=True, array_like=True, frozen=True):

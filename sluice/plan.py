@@ -44,9 +44,10 @@ T / L answers/s. This planner keeps that core and adds what it leaves out:
    takes (decode as the high class of a preemptive priority queue). Utilisation is still λ · E[S] / c.
 
 Workers needed = the least c for which every tier's predicted SLO attainment (share of its requests with TTFT ≤
-SLO) reaches the target. Inputs: the roofline from ``[sim]``/``[worker]`` of config.toml, or decode and prefill
-tokens/s measured by a running gateway's workers (``--from-status URL``: read ``/status``; measure at saturation);
-a trace (``loadtest.traces``) or a rate and lengths; SLOs and the tier mix.
+SLO) reaches the target. Inputs: decode and prefill tokens/s (and TPOT) measured by a running gateway's workers
+(``/status``: the config's gateway when it answers with measured rates, or ``--from-status URL``; measure under the
+load to plan for), else (or with ``--roofline``) the roofline from ``[sim]``/``[worker]`` of config.toml, with a
+first line that says which; a trace (``loadtest.traces``) or a rate and lengths; SLOs and the tier mix.
 
 Usage::
 
@@ -217,6 +218,8 @@ class WorkerModel:
         block_size_tokens: tokens per KV block.
         measured_decode_tokens_per_s: measured decode throughput (measured mode), or None.
         measured_prefill_tokens_per_s: measured prefill throughput (measured mode), or None.
+        measured_tpot_s: measured time per output token of one running sequence (measured mode; 1 ÷ the worker's
+            ``sequence_decode_tokens_per_s``), seconds, or None (then b ÷ the decode rate).
         source: ``roofline`` or ``measured:<url>``.
     """
 
@@ -229,6 +232,7 @@ class WorkerModel:
     block_size_tokens: int
     measured_decode_tokens_per_s: float | None = None
     measured_prefill_tokens_per_s: float | None = None
+    measured_tpot_s: float | None = None
     source: str = "roofline"
 
     @classmethod
@@ -410,7 +414,7 @@ def _own_prefill_s(model: WorkerModel, inputs: np.ndarray, per_worker_rate: floa
     inputs = inputs.astype(np.float64)
     if model.measured_decode_tokens_per_s:
         prefill_rate = model.measured_prefill_tokens_per_s or math.inf
-        tpot = profile.batch_limit / model.measured_decode_tokens_per_s
+        tpot = model.measured_tpot_s or profile.batch_limit / model.measured_decode_tokens_per_s
         return inputs / prefill_rate, tpot, min(profile.batch_limit, per_worker_rate * profile.mean_output_tokens
                                                 * tpot)
     budget = model.max_num_batched_tokens
@@ -726,10 +730,13 @@ def format_plan(result: Plan) -> str:
 # ------------------------------------------------------------------------------------------------------- CLI
 
 
-def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
+def measured_worker_model(base_url: str, fallback: WorkerModel, timeout_s: float = 5.0) -> WorkerModel:
     """Return ``fallback`` with the decode and prefill tokens/s measured by a running gateway's workers.
 
-    Reads ``/status`` (each worker's last Capacity report) and takes the highest per-worker rates; loopback only.
+    Reads ``/status`` (each worker's last Capacity report: tokens per busy second of the steps of each phase) and
+    takes the highest per-worker rates, with the TPOT of the worker that decodes fastest; loopback only. The decode
+    rate is the one measured at the batch the worker ran (decode rate × TPOT), so it understates a worker that runs
+    larger batches at saturation: measure under the load to plan for.
 
     Raises:
         PlanError: not loopback, unreachable, or no worker reported a decode rate yet.
@@ -743,21 +750,52 @@ def measured_worker_model(base_url: str, fallback: WorkerModel) -> WorkerModel:
     except ReplayError as exc:
         raise PlanError(str(exc)) from exc
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             status = json.loads(response.read())
     except OSError as exc:
         raise PlanError(f"GET {url}: {exc}") from exc
-    decode = prefill = 0.0
+    decode = prefill = sequence_decode = 0.0
     for worker in status.get("workers") or []:
         capacity = worker.get("capacity") or {}
-        decode = max(decode, float(capacity.get("decode_tokens_per_s") or 0.0))
+        worker_decode = float(capacity.get("decode_tokens_per_s") or 0.0)
+        if worker_decode > decode:
+            decode = worker_decode
+            sequence_decode = float(capacity.get("sequence_decode_tokens_per_s") or 0.0)
         prefill = max(prefill, float(capacity.get("prefill_tokens_per_s") or 0.0))
     if decode <= 0:
         raise PlanError(f"{url}: no worker reports a decode rate yet (measure under load)")
     from dataclasses import replace
 
     return replace(fallback, measured_decode_tokens_per_s=decode, measured_prefill_tokens_per_s=prefill or None,
+                   measured_tpot_s=1.0 / sequence_decode if sequence_decode > 0 else None,
                    source=f"measured:{base_url}")
+
+
+LIVE_PROBE_TIMEOUT_S = 1.0
+
+
+def _live_or_roofline(config: Config, roofline: WorkerModel, roofline_only: bool) -> WorkerModel:
+    """Return the worker model measured by the config's gateway when it answers with rates (and not
+    ``roofline_only``), else ``roofline``; print one line that says which and why."""
+    sim = config.sim
+    what = (f"the built-in [sim] roofline ({sim.model_params_b:g} B parameters, {sim.hbm_bandwidth_gb_s:g} GB/s "
+            f"HBM: an H200 serving Llama-3-8B unless [sim] says otherwise), not a served model")
+    if roofline_only:
+        print(f"planning for {what} (--roofline)")
+        return roofline
+    host = "127.0.0.1" if config.gateway.host in ("0.0.0.0", "", "::") else config.gateway.host
+    url = f"http://{host}:{config.gateway.port}"
+    try:
+        measured = measured_worker_model(url, roofline, timeout_s=LIVE_PROBE_TIMEOUT_S)
+    except PlanError as exc:
+        print(f"planning for {what}: no measured rates from {url} ({exc}). To plan for the served model, run "
+              f"load through it first (e.g. sluice replay … --capacity-scale 0.5), then plan again or pass "
+              f"--from-status URL; --roofline silences this line")
+        return roofline
+    print(f"planning from the rates the workers of {url} measured (decode "
+          f"{measured.measured_decode_tokens_per_s:.1f} tokens/s, prefill "
+          f"{measured.measured_prefill_tokens_per_s or 0:.0f} tokens/s); --roofline plans for the [sim] roofline")
+    return measured
 
 
 def tier_priorities(config: Config) -> dict[str, int]:
@@ -846,8 +884,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of each tier's requests that must meet its SLO, in (0, 1] (default %(default)s)")
     parser.add_argument("--order", choices=("priority", "fifo"), default="priority",
                         help="queue order: by tier priority or arrival (default %(default)s)")
-    parser.add_argument("--from-status", type=_loopback_url, default=None, metavar="URL",
-                        help="use decode/prefill tokens/s measured by this gateway's workers (/status; loopback)")
+    model_source = parser.add_mutually_exclusive_group()
+    model_source.add_argument("--from-status", type=_loopback_url, default=None, metavar="URL",
+                              help="use decode/prefill tokens/s measured by this gateway's workers (/status; "
+                              "loopback). Default: the gateway of --config (gateway.host:port) when it answers "
+                              "with measured rates, else the [sim] roofline")
+    model_source.add_argument("--roofline", action="store_true",
+                              help="plan for the [sim] roofline (an H200 serving Llama-3-8B by default) even when "
+                              "a gateway answers")
     parser.add_argument("--queue-model", choices=("auto", "trace", "allen-cunneen"), default="auto",
                         help="auto = trace-driven with a trace, Allen–Cunneen with a rate; trace needs --trace")
     parser.add_argument("--max-workers", type=number(int, f"in [1, {MAX_WORKERS}]", lambda v: 1 <= v <= MAX_WORKERS),
@@ -922,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.from_status:
             model = measured_worker_model(args.from_status, model)
+        else:
+            model = _live_or_roofline(config, model, args.roofline)
         priorities = tier_priorities(config) if args.order == "priority" else None
         result = plan(model, workload, args.slo_ttft_s, priorities, args.slo_attainment, args.max_workers,
                       args.queue_model)

@@ -20,6 +20,7 @@ import uuid
 import structlog
 
 from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
+from shared.logs import configure_logging
 from shared.protocol import Capacity, Hello
 
 log = structlog.get_logger("sluice.worker")
@@ -131,6 +132,7 @@ def build_worker(config: Config, worker_id: str):
             kv_stats=engine.kv_stats(),
             sequence_decode_tokens_per_s=engine.sequence_decode_tokens_per_s(),
             sequence_prefill_tokens_per_s=engine.sequence_prefill_tokens_per_s(),
+            busy_tokens_per_s=engine.busy_tokens_per_s(),
         )
 
     return WorkerServer(
@@ -145,9 +147,7 @@ def build_worker(config: Config, worker_id: str):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sluice worker``; returns the exit status."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    structlog.configure(processors=[structlog.processors.TimeStamper(fmt="iso"),
-                                    structlog.processors.add_log_level,
-                                    structlog.processors.JSONRenderer()])
+    configure_logging(sys.stdout)
     try:
         config = load_config(args.config)
         if args.backend:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import collections
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.protocol import Generate
 from worker.scheduler import Scheduler, SeqEvent
 from worker.sequence import Sequence
+from worker.step_rates import StepRates
 
-THROUGHPUT_WINDOW_S = 5.0
 KV_STATS_INTERVAL_S = 0.1  # how often the engine thread refreshes the KV stats snapshot that capacity reports read
 
 
@@ -38,23 +39,6 @@ class StepResult:
     num_prefill_tokens: int = 0
 
 
-class _RateWindow:
-    """Tokens per second over the last :data:`THROUGHPUT_WINDOW_S` seconds of busy time."""
-
-    def __init__(self) -> None:
-        self._samples: collections.deque[tuple[float, int, float]] = collections.deque()
-
-    def add(self, now_s: float, num_tokens: int, busy_s: float) -> None:
-        self._samples.append((now_s, num_tokens, busy_s))
-        while self._samples and self._samples[0][0] < now_s - THROUGHPUT_WINDOW_S:
-            self._samples.popleft()
-
-    def tokens_per_s(self) -> float:
-        tokens = sum(s[1] for s in self._samples)
-        busy_s = sum(s[2] for s in self._samples)
-        return tokens / busy_s if busy_s > 0 else 0.0
-
-
 class Engine:
     """Continuous batching over one model and one KV pool.
 
@@ -63,20 +47,20 @@ class Engine:
         runner: runs a scheduled step and samples (``run(SchedulerOutput) -> {request_id: token}``); the real
             :class:`worker.model_runner.ModelRunner` or the simulator's.
         default_stop_token_ids: EOS ids of the model, added to every request's stop ids unless ``ignore_eos``.
+        clock: the monotonic clock, seconds, that times steps (the measured rates' busy seconds).
     """
 
-    def __init__(self, scheduler: Scheduler, runner, default_stop_token_ids: list[int]) -> None:
+    def __init__(self, scheduler: Scheduler, runner, default_stop_token_ids: list[int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.default_stop_token_ids = list(default_stop_token_ids)
         self._arrival_s: dict[str, float] = {}
-        self._decode_rate = _RateWindow()
-        self._prefill_rate = _RateWindow()
-        self._decode_step_rate = _RateWindow()  # steps that decode, per busy second of them
-        self._prefill_step_rate = _RateWindow()  # prompt tokens per busy second of the steps that prefill
+        self._clock = clock
+        self._rates = StepRates()
         self._prompt_tokens_window = collections.deque()  # (now_s, prompt_tokens, cached_tokens)
         self._kv_stats: dict[str, float] = self.scheduler.kv.stats_snapshot()
-        self._kv_stats_at_s = time.monotonic()
+        self._kv_stats_at_s = clock()
 
     def add(self, request_id: str, msg: Generate, tier_priority: int = 0, received_s: float | None = None) -> None:
         """Queue a request under ``request_id`` (unique in this worker).
@@ -101,7 +85,7 @@ class Engine:
             cache_ttl_s=msg.cache_ttl_s,
             cache_key=msg.cache_key,
         )
-        received_s = time.monotonic() if received_s is None else received_s
+        received_s = self._clock() if received_s is None else received_s
         self._arrival_s[request_id] = received_s
         if msg.deadline_s > 0:  # an absolute time.time(): on this machine's monotonic clock
             seq.start_deadline_s = received_s + (msg.deadline_s - time.time())
@@ -117,7 +101,7 @@ class Engine:
 
     def step(self) -> StepResult:
         """Run one step: apply KV pressure, schedule, run the model, sample, update the scheduler."""
-        start_s = time.monotonic()
+        start_s = self._clock()
         kv = self.scheduler.kv
         kv.update_pressure()
         self.scheduler.expire_unstarted(start_s)
@@ -127,23 +111,19 @@ class Engine:
             for event in events:  # refused, or dropped unstarted at the start deadline
                 if event.finish_reason is not None:
                     self._arrival_s.pop(event.request_id, None)
-            self._refresh_kv_stats(time.monotonic())
-            return StepResult(events=events, step_time_s=time.monotonic() - start_s)
+            now_s = self._clock()
+            self._refresh_kv_stats(now_s)
+            return StepResult(events=events, step_time_s=now_s - start_s)
         num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
         num_prefill = sum(s.num_new_tokens for s in out.scheduled) - num_decode
         run_start_s = time.perf_counter()
         sampled = self.runner.run(out)
         kv.observe_prefill(num_prefill, num_decode, time.perf_counter() - run_start_s)
         events = self.scheduler.update_from_output(out, sampled)
-        end_s = time.monotonic()
+        end_s = self._clock()
         self._refresh_kv_stats(end_s)
         step_time_s = end_s - start_s
-        self._decode_rate.add(end_s, num_decode, step_time_s)
-        self._prefill_rate.add(end_s, num_prefill, step_time_s)
-        if num_decode:
-            self._decode_step_rate.add(end_s, 1, step_time_s)
-        if num_prefill:
-            self._prefill_step_rate.add(end_s, num_prefill, step_time_s)
+        self._rates.observe(num_prefill, num_decode, step_time_s)
         result = StepResult(events, step_time_s=step_time_s, num_decode_tokens=num_decode,
                             num_prefill_tokens=num_prefill)
         for event in events:
@@ -168,20 +148,25 @@ class Engine:
         return self._kv_stats
 
     def decode_tokens_per_s(self) -> float:
-        return self._decode_rate.tokens_per_s()
+        """Decode tokens per second of the steps that decode (``worker.step_rates``)."""
+        return self._rates.decode_tokens_per_s()
 
     def prefill_tokens_per_s(self) -> float:
-        return self._prefill_rate.tokens_per_s()
+        """Prompt tokens per second of the steps that prefill (``worker.step_rates``)."""
+        return self._rates.prefill_tokens_per_s()
 
     def sequence_prefill_tokens_per_s(self) -> float:
-        """Prompt tokens per second of the steps that prefill: how fast a prompt goes once it is being prefilled
-        (0.0 before any prefill step in the window)."""
-        return self._prefill_step_rate.tokens_per_s()
+        """How fast a prompt goes once it is being prefilled: the prefill rate (every prompt chunk of a step
+        moves at the step's pace)."""
+        return self._rates.prefill_tokens_per_s()
 
     def sequence_decode_tokens_per_s(self) -> float:
-        """Decode steps per second of the steps that decode: the tokens/s one running sequence gets (0.0 before
-        any decode step in the window)."""
-        return self._decode_step_rate.tokens_per_s()
+        """1 / TPOT: the tokens/s one running sequence gets (``worker.step_rates``)."""
+        return self._rates.sequence_decode_tokens_per_s()
+
+    def busy_tokens_per_s(self) -> float:
+        """Prompt + decode tokens per second of all steps: the work drained per busy second."""
+        return self._rates.busy_tokens_per_s()
 
     def prefix_hit_rate(self) -> float:
         """Cached ÷ prompt tokens of requests finished in the last minute."""

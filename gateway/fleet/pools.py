@@ -67,7 +67,7 @@ class ElasticWorkerPool(WorkerPool):
         """
         serving = self._serving_clients()
         rates = [rate for c in serving if c.capacity is not None
-                 and (rate := c.capacity.prefill_tokens_per_s + c.capacity.decode_tokens_per_s) > 0]
+                 and (rate := c.capacity.busy_tokens_per_s) > 0]
         if rates:
             self._known_rate_per_worker_tokens_per_s = sum(rates) / len(rates)
         return self._known_rate_per_worker_tokens_per_s * (len(serving) + self.num_starting_workers())

@@ -222,7 +222,7 @@ class WorkerPool:
         for client in self._serving_clients():
             capacity = client.capacity
             if capacity is not None:
-                total += capacity.prefill_tokens_per_s + capacity.decode_tokens_per_s
+                total += capacity.busy_tokens_per_s
         return total
 
     def sequence_rates_tokens_per_s(self) -> tuple[float, float] | None:

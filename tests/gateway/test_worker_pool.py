@@ -114,7 +114,8 @@ def test_a_worker_that_has_measured_no_rate_yet_gets_its_siblings_budget_even_af
 
 def test_an_elastic_pool_counts_new_and_starting_workers_at_the_rate_their_siblings_measured():
     measured = client("measured", prefill_tokens_per_s=2000.0)
-    measured.capacity = msgspec.structs.replace(measured.capacity, decode_tokens_per_s=1000.0)
+    measured.capacity = msgspec.structs.replace(measured.capacity, decode_tokens_per_s=1000.0,
+                                                busy_tokens_per_s=3000.0)
     fresh = client("fresh")
     fresh.capacity = None  # said Hello, no capacity report yet
     pool = ElasticWorkerPool("sim")
@@ -163,19 +164,20 @@ def test_lower_tiers_pending_prompts_do_not_hold_back_a_higher_tier():
 
 
 def _report(worker: WorkerClient, num_running: int, prefill: float, decode: float, sequence_decode: float,
-            sequence_prefill: float = 0.0) -> None:
+            sequence_prefill: float = 0.0, busy: float = 0.0) -> None:
     worker.capacity = Capacity(free_kv_blocks=10_000, total_kv_blocks=10_000, used_kv_blocks=0, cached_kv_blocks=0,
                                num_running=num_running, num_waiting=0, prefill_tokens_per_s=prefill,
                                decode_tokens_per_s=decode, sequence_decode_tokens_per_s=sequence_decode,
-                               sequence_prefill_tokens_per_s=sequence_prefill)
+                               sequence_prefill_tokens_per_s=sequence_prefill, busy_tokens_per_s=busy)
 
 
-def test_drain_rate_is_prefill_plus_decode_of_the_same_busy_steps():
+def test_drain_rate_is_the_work_per_busy_second_not_the_sum_of_the_phase_rates():
+    """Mixed steps count in both phases' rates, so prefill + decode overstates the work a worker drains."""
     a, b = client("a"), client("b")
     pool = WorkerPool([a, b])
-    _report(a, 4, prefill=1000.0, decode=200.0, sequence_decode=50.0)
+    _report(a, 4, prefill=1000.0, decode=200.0, sequence_decode=50.0, busy=900.0)
     _report(b, 0, prefill=0.0, decode=0.0, sequence_decode=0.0)
-    assert pool.drain_rate_tokens_per_s() == 1200.0
+    assert pool.drain_rate_tokens_per_s() == 900.0
 
 
 def test_sequence_rates_come_from_busy_workers_only():

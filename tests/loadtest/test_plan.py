@@ -11,9 +11,11 @@ import pytest
 from shared.config import SimConfig, WorkerConfig
 from sluice.plan import (
     WorkerModel,
+    _own_prefill_s,
     allen_cunneen_wait_s,
     erlang_c,
     main,
+    measured_worker_model,
     mmc_mean_wait_s,
     plan,
     predict,
@@ -142,8 +144,9 @@ def empty_config(tmp_path):
 def test_cli_plan_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["--rate-per-s", "5", "--input-tokens", "512", "--output-tokens", "128", "--json", str(out),
-                 "--config", empty_config(tmp_path)]) == 0
+                 "--config", empty_config(tmp_path), "--roofline"]) == 0
     text = capsys.readouterr().out
+    assert text.startswith("planning for the built-in [sim] roofline") and "(--roofline)" in text
     assert "workers needed: 1" in text
     data = json.loads(out.read_text())
     assert data["workers_needed"] == 1
@@ -156,7 +159,7 @@ def test_cli_plan_on_a_trace_needs_more_workers_at_a_higher_rate(tmp_path):
     for scale in (2, 8):
         out = tmp_path / f"plan{scale}.json"
         assert main(["--trace", "azure-conv", "--rate-scale", str(scale), "--max-requests", "400", "--json", str(out),
-                     "--config", empty_config(tmp_path)]) == 0
+                     "--config", empty_config(tmp_path), "--roofline"]) == 0
         counts.append(json.loads(out.read_text())["workers_needed"])
     assert counts[0] < counts[1]
 
@@ -225,3 +228,75 @@ def test_cli_plan_rejects_a_trace_window_with_fewer_than_two_requests(tmp_path, 
     err = run_cli_expecting_usage_error(["--trace", "azure-conv", "--start-s", "1e9", "--config",
                                          empty_config(tmp_path)], capsys)
     assert "argument --trace: a trace needs at least two requests (in the window that --start-s" in err
+
+
+@pytest.fixture
+def status_server():
+    """A loopback HTTP server answering ``GET /status`` with the JSON in ``server.status``."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = json.dumps(self.server.status).encode()
+            self.send_response(200 if self.path == "/status" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.status = {"workers": []}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def cpu_worker_status(decode: float, sequence_decode: float, prefill: float) -> dict:
+    return {"workers": [{"name": "w0", "capacity": {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+                                                    "sequence_decode_tokens_per_s": sequence_decode}}]}
+
+
+def test_measured_worker_model_takes_the_tpot_from_the_sequence_decode_rate(status_server):
+    """A CPU worker decoding 4 sequences at TPOT 142 ms: the plan's TPOT is 142 ms, not b ÷ the decode rate."""
+    status_server.status = cpu_worker_status(decode=4 / 0.142, sequence_decode=1 / 0.142, prefill=130.0)
+    url = f"http://127.0.0.1:{status_server.server_port}"
+    model = measured_worker_model(url, WorkerModel.from_roofline(SimConfig(), WorkerConfig()))
+    assert model.measured_tpot_s == pytest.approx(0.142)
+    assert model.measured_prefill_tokens_per_s == 130.0 and model.source == f"measured:{url}"
+    profile = service_profile(model, np.array([4808, 36]), np.array([64, 64]))
+    assert profile.prefill_service_s[0] == pytest.approx(4808 / 130.0)
+    own_prefill_s, tpot_s, _ = _own_prefill_s(model, np.array([4808, 36]), 0.01, profile)
+    assert tpot_s == pytest.approx(0.142)
+
+
+def config_for_gateway(tmp_path, port: int) -> str:
+    path = tmp_path / "gateway.toml"
+    path.write_text(f"[gateway]\nport = {port}\n")
+    return str(path)
+
+
+def test_plan_uses_the_config_gateways_live_rates_by_default(status_server, tmp_path, capsys):
+    status_server.status = cpu_worker_status(decode=4 / 0.142, sequence_decode=1 / 0.142, prefill=130.0)
+    out = tmp_path / "plan.json"
+    assert main(["--rate-per-s", "0.05", "--input-tokens", "260", "--output-tokens", "28", "--json", str(out),
+                 "--config", config_for_gateway(tmp_path, status_server.server_port)]) == 0
+    text = capsys.readouterr().out
+    url = f"http://127.0.0.1:{status_server.server_port}"
+    assert text.startswith(f"planning from the rates the workers of {url} measured (decode 28.2 tokens/s, "
+                           "prefill 130 tokens/s)")
+    assert json.loads(out.read_text())["worker_source"] == f"measured:{url}"
+
+
+def test_plan_says_why_it_falls_back_to_the_roofline(status_server, tmp_path, capsys):
+    status_server.status = {"workers": [{"name": "w0", "capacity": {"decode_tokens_per_s": 0.0}}]}  # fresh
+    assert main(["--rate-per-s", "5", "--input-tokens", "512", "--output-tokens", "128",
+                 "--config", config_for_gateway(tmp_path, status_server.server_port)]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line.startswith("planning for the built-in [sim] roofline (8.03 B parameters, 4800 GB/s HBM")
+    assert "no worker reports a decode rate yet" in first_line and "--from-status URL" in first_line

@@ -103,3 +103,35 @@ def test_replay_azure_code_against_sim_workers(sim_server, tmp_path):
     assert any(sum(s["running_by_worker"].values()) > 0 for s in report["status_samples"])
     for name in ("replay_latency.png", "replay_queue.png"):
         assert (plots / name).read_bytes()[:8] == PNG_MAGIC
+
+
+STANDARD_DEFAULT_CONFIG = """
+[worker]
+num_local_workers = 1
+backend = "sim"
+
+[sim]
+time_scale = 2.0
+"""
+
+
+def test_replay_sized_to_capacity_on_the_default_config_replays_vip_as_standard_and_says_so(tmp_path):
+    """The default config gives a request without a key tier 'standard': the replay's vip share is replayed as
+    standard with one note up front (no warning after the table), and --capacity-scale calibrates a fresh
+    gateway and offers half its measured capacity."""
+    from tests.conftest import sluice_serve
+
+    out = tmp_path / "replay.json"
+    with sluice_serve(tmp_path, STANDARD_DEFAULT_CONFIG, 120.0) as server:
+        cmd = [sys.executable, "-m", "sluice.cli", "replay", "azure-conv", "--base-url", server.base_url,
+               "--capacity-scale", "0.5", "--max-requests", "12", "--duration-s", "120", "--drain-timeout-s", "60",
+               "--json", str(out)]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after 4 calibration requests" in proc.stdout and "replaying at 0.5 × capacity" in proc.stdout
+    assert "tier 'vip' is above what no API key gets (the gateway serves it as 'standard')" in proc.stderr
+    assert "were served in tier" not in proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report["summary"]["tiers"]) == {"standard", "free"}
+    assert all(r["served_tier"] == r["tier"] for r in report["requests"] if r["outcome"] == "ok")
+    assert report["options"]["rate_scale"] > 0 and report["options"]["capacity_scale"] == 0.5

@@ -68,3 +68,23 @@ def test_failed_streams_and_timeouts_are_misses_not_latency_samples():
     assert s["ttft_s"]["max"] == pytest.approx(0.2)
     assert s["outcomes"] == {"ok": 1, "error_in_band": 1, "client_timeout": 1}
     assert s["rejected"] == 0
+
+
+def test_the_table_gives_the_reasons_requests_were_not_ok():
+    from loadtest.summary import format_table
+
+    results = [_ok(0, "vip", 0.1, 0.0), _ok(1, "free", 0.2, 1.0)]
+    results += [RequestResult(index=2 + i, tier="free", arrival_s=2.0 + i, input_tokens=1, max_tokens=1,
+                              outcome="http_error", status=503, error_code="queue_timeout", retry_after_s=3.0 + i)
+                for i in range(3)]
+    results.append(RequestResult(index=5, tier="free", arrival_s=6.0, input_tokens=1, max_tokens=1,
+                                 outcome="http_error", status=503, error_code="predicted_queue_timeout",
+                                 retry_after_s=9.0))
+    results.append(RequestResult(index=6, tier="free", arrival_s=7.0, input_tokens=1, max_tokens=1,
+                                 outcome="client_timeout"))
+    table = format_table(summarize(results, {"vip": 1.0, "free": 1.0}))
+    assert "not ok, by reason" in table
+    free_line = next(line for line in table.splitlines() if line.startswith("  free"))
+    assert free_line.split(None, 1)[1] == ("queue_timeout 3 (503, Retry-After p50 4 s), "
+                                           "predicted_queue_timeout 1 (503, Retry-After p50 9 s), client_timeout 1")
+    assert not any(line.startswith("  vip") for line in table.splitlines())  # all ok: no reason line

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.config import Config, ConfigError, load_config, with_overrides
+from shared.config import Config, ConfigError, JobsConfig, default_jobs_sqlite_path, load_config, with_overrides
 from tests.conftest import REPO_ROOT
 
 
@@ -42,8 +42,9 @@ def test_a_missing_file_named_by_sluice_config_is_an_error_naming_it(tmp_path, m
 
 def test_a_missing_implicit_default_file_means_the_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert load_config(environ={}) == Config()
-    assert load_config(environ={"SLUICE_CONFIG": ""}) == Config()  # empty = unset
+    defaults = msgspec.structs.replace(Config(), jobs=JobsConfig(sqlite_path=default_jobs_sqlite_path(tmp_path)))
+    assert load_config(environ={}) == defaults  # the jobs database in var/ of the working directory
+    assert load_config(environ={"SLUICE_CONFIG": ""}) == defaults  # empty = unset
 
 
 def test_the_implicit_default_file_is_read_when_present(tmp_path, monkeypatch):
@@ -62,7 +63,8 @@ def test_a_directory_is_an_error_naming_it(tmp_path):
 
 @pytest.mark.parametrize("name, text, message", [
     ("SLUICE_GATEWAY__PORT", "abc", "SLUICE_GATEWAY__PORT=abc: Expected `int`, got `str` - at `$.gateway.port`"),
-    ("SLUICE_GATEWAY__PROT", "1", "SLUICE_GATEWAY__PROT=1: Object contains unknown field `prot` - at `$.gateway`"),
+    ("SLUICE_GATEWAY__PROT", "1",
+     "SLUICE_GATEWAY__PROT=1: Object contains unknown field `prot` - at `$.gateway`; did you mean `port`?"),
     ("SLUICE_GATEWAY__MAX_N", "0", "SLUICE_GATEWAY__MAX_N=0: Expected `int` >= 1 - at `$.gateway.max_n`"),
     ("SLUICE_NOPE__PORT", "1", "SLUICE_NOPE__PORT=1: Object contains unknown field `nope`"),
     ("SLUICE_TIERS__NAME", "x", "SLUICE_TIERS__NAME=x: tiers is not a table, so it has no key name"),
@@ -78,7 +80,7 @@ def test_an_error_in_the_file_is_blamed_on_the_file_even_with_overrides(tmp_path
     path = write(tmp_path, "[worker]\nkv_cache_gib = -1\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={"SLUICE_GATEWAY__PORT": "8001"})
-    assert str(info.value) == f"{path}: Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"
+    assert str(info.value) == f"{path}:2: Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"
 
 
 def test_an_override_may_replace_a_bad_value_of_the_file(tmp_path):
@@ -122,7 +124,7 @@ def test_a_value_out_of_range_is_an_error_naming_the_key(tmp_path, text, message
     path = write(tmp_path, text + "\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={})
-    assert str(info.value) == f"{path}: {message}"
+    assert str(info.value) == f"{path}:{text.count(chr(10)) + 1}: {message}"  # the key is on the text's last line
 
 
 def test_cli_overrides_are_range_checked_too():
@@ -232,7 +234,7 @@ def test_serve_with_an_out_of_range_value_exits_2_before_starting_anything(tmp_p
     result = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--config", str(path), "--port", "1"],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr == f"sluice serve: {path}: Expected `int` >= 1 - at `$.gateway.max_n`\n"
+    assert result.stderr == f"sluice serve: {path}:2: Expected `int` >= 1 - at `$.gateway.max_n`\n"
     assert "gateway_listening" not in result.stdout
 
 

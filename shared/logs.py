@@ -1,0 +1,51 @@
+"""Log output of every Sluice process: human-readable lines on a terminal, JSON lines otherwise.
+
+structlog key-value events either way (never prompt text). ``SLUICE_LOG_FORMAT=console`` or ``json`` chooses
+explicitly (e.g. JSON on a terminal for piping into jq, or console lines under a process supervisor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Literal, TextIO
+
+import structlog
+
+LOG_FORMATS = ("console", "json")
+
+
+def choose_log_format(stream: TextIO, environ: dict[str, str] | None = None) -> Literal["console", "json"]:
+    """Return ``$SLUICE_LOG_FORMAT`` when set, else ``console`` when ``stream`` is a terminal, else ``json``.
+
+    Raises:
+        ValueError: ``SLUICE_LOG_FORMAT`` is neither ``console`` nor ``json``.
+    """
+    chosen = (os.environ if environ is None else environ).get("SLUICE_LOG_FORMAT", "").strip().lower()
+    if chosen:
+        if chosen not in LOG_FORMATS:
+            raise ValueError(f"SLUICE_LOG_FORMAT={chosen!r}: expected one of {', '.join(LOG_FORMATS)}")
+        return chosen  # type: ignore[return-value]
+    isatty = getattr(stream, "isatty", None)
+    return "console" if isatty is not None and isatty() else "json"
+
+
+def configure_logging(stream: TextIO | None = None, environ: dict[str, str] | None = None) -> str:
+    """Send stdlib logging and structlog to ``stream`` (default stderr) in the format :func:`choose_log_format`
+    picks; return that format.
+
+    Raises:
+        ValueError: ``SLUICE_LOG_FORMAT`` is neither ``console`` nor ``json``.
+    """
+    stream = sys.stderr if stream is None else stream
+    log_format = choose_log_format(stream, environ)
+    logging.basicConfig(level=logging.INFO, stream=stream, format="%(message)s")
+    processors: list = [structlog.processors.TimeStamper(fmt="iso"), structlog.processors.add_log_level]
+    if log_format == "console":
+        isatty = getattr(stream, "isatty", None)
+        processors.append(structlog.dev.ConsoleRenderer(colors=isatty is not None and isatty()))
+    else:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    structlog.configure(processors=processors, logger_factory=structlog.PrintLoggerFactory(stream))
+    return log_format

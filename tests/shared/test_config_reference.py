@@ -1,0 +1,76 @@
+"""The config reference (docs/config.md) and the commented config.toml against the Structs of shared/config.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from shared.config import Config, load_config
+from shared.config_reference import ConfigKey, attribute_docs, config_keys, config_toml_keys, render_markdown
+from sluice.config_cmd import main as config_main
+
+ROOT = Path(__file__).resolve().parents[2]
+REGENERATE = "regenerate with: .venv/bin/sluice config --reference --output docs/config.md"
+
+
+def test_docs_config_md_is_the_reference_generated_from_the_structs():
+    assert (ROOT / "docs" / "config.md").read_text() == render_markdown(), REGENERATE
+
+
+def test_config_toml_mentions_every_key_of_the_structs_and_no_other():
+    keys = {(key.section, key.key) for key in config_keys()}
+    in_file = config_toml_keys((ROOT / "config.toml").read_text())
+    assert sorted(keys - in_file) == [], "keys missing from config.toml (add them, commented: # key = default)"
+    assert sorted(in_file - keys) == [], "keys in config.toml that no Struct defines"
+
+
+def test_every_key_has_a_meaning_in_its_struct_docstring():
+    assert [key.dotted for key in config_keys() if not key.meaning] == []
+
+
+def test_the_shipped_config_toml_decodes(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert load_config("config.toml", environ={}).default_tier == "standard"
+
+
+def test_reference_names_sections_types_ranges_and_nested_defaults():
+    by_name = {key.dotted: key for key in config_keys()}
+    assert by_name["gateway.port"] == ConfigKey("gateway", "port", False, "int ≥ 1 and ≤ 65535", "8000",
+                                                "where it listens.")
+    assert by_name["default_tier"].default_text == '"standard"'
+    assert by_name["tiers[].name"].default_text == "required"
+    assert by_name["registry.redis_url"].section == "registry"
+    # a nested table's defaults are those of its parent's default, not of the bare Struct
+    assert by_name["kv.retention.critical.eviction_policy"].default_text == '"tier"'
+    assert by_name["kv.retention.normal.max_ttl_s"].default_text == "inf"
+    assert by_name["worker.backend"].type_text == '"auto" | "cpu" | "cuda" | "sim"'
+    assert len(by_name) == len(config_keys())  # no key listed twice
+
+
+def test_a_new_struct_field_changes_the_reference():
+    class Extra(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+        """Attributes:
+            new_key_s: something new, seconds.
+        """
+
+        new_key_s: float = 1.5
+
+    assert attribute_docs(Extra) == {"new_key_s": "something new, seconds."}
+    keys = config_keys() + [ConfigKey("extra", "new_key_s", False, "float", "1.5", "something new, seconds.")]
+    assert render_markdown(keys) != render_markdown()
+    assert "| `new_key_s` | float | `1.5` | something new, seconds. |" in render_markdown(keys)
+
+
+def test_config_toml_keys_reads_set_and_commented_keys_under_their_tables():
+    text = '# default_tier = "vip"\n[gateway]\nport = 1\n# [registry]\n# redis_url = ""  # note\n#   free text = no\n'
+    assert config_toml_keys(text) == {("", "default_tier"), ("gateway", "port"), ("registry", "redis_url")}
+
+
+def test_sluice_config_check_reports_the_bad_key(tmp_path, capsys):
+    bad = tmp_path / "config.toml"
+    bad.write_text("[gateway]\nport = 0\n")
+    assert config_main(["--check", "--config", str(bad)]) == 1
+    assert "port" in capsys.readouterr().err
+    assert config_main(["--check", "--config", str(ROOT / "config.toml")]) == 0
+    assert Config().model.name in capsys.readouterr().out

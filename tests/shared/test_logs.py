@@ -1,0 +1,45 @@
+"""Log output: console lines on a terminal, JSON lines otherwise (shared/logs.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import structlog
+
+from shared.logs import choose_log_format, configure_logging
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def reset_structlog():
+    yield
+    structlog.reset_defaults()
+
+
+def test_a_pipe_gets_json_lines():
+    stream = io.StringIO()
+    assert configure_logging(stream, environ={}) == "json"
+    structlog.get_logger("t").info("worker_ready", port=9100)
+    record = json.loads(stream.getvalue())
+    assert record["event"] == "worker_ready" and record["port"] == 9100 and record["level"] == "info"
+
+
+def test_a_terminal_gets_readable_lines():
+    stream = Terminal()
+    assert configure_logging(stream, environ={}) == "console"
+    structlog.get_logger("t").info("worker_ready", port=9100)
+    line = stream.getvalue()
+    assert "worker_ready" in line and "port" in line and "9100" in line and not line.lstrip().startswith("{")
+
+
+def test_the_environment_chooses_explicitly():
+    assert choose_log_format(Terminal(), {"SLUICE_LOG_FORMAT": "json"}) == "json"
+    assert choose_log_format(io.StringIO(), {"SLUICE_LOG_FORMAT": "Console"}) == "console"
+    with pytest.raises(ValueError, match="SLUICE_LOG_FORMAT='xml'"):
+        choose_log_format(io.StringIO(), {"SLUICE_LOG_FORMAT": "xml"})

@@ -214,9 +214,9 @@ class WorkerPool:
     def drain_rate_tokens_per_s(self) -> float:
         """Return the rate at which the workers work off prompt + output tokens, summed over serving workers.
 
-        Per worker: its measured prefill + decode tokens/s. Both are tokens per second of the same busy steps
-        (a step prefills prompt chunks and decodes running sequences together), so their sum is the work done per
-        busy second. 0.0 when nothing is measured yet.
+        Per worker: its measured ``busy_tokens_per_s``, the prompt + output tokens of its steps ÷ the seconds those
+        steps took. A step prefills prompt chunks and decodes running sequences together, so the per-phase rates
+        overlap and their sum would overstate the work done per busy second. 0.0 when nothing is measured yet.
         """
         total = 0.0
         for client in self._serving_clients():

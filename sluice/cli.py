@@ -11,7 +11,7 @@ import sys
 _SUBCOMMANDS = {
     "serve": ("gateway.__main__", "main"),
     "worker": ("worker.__main__", "main"),
-    "cachesim": ("worker.kv_cache.cachesim", "main"),
+    "cachesim": ("worker.kv_cache.cachesim_cli", "main"),
     "replay": ("loadtest.replay", "main"),
     "plan": ("sluice.plan", "main"),
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from shared.config import RetentionConfig, RetentionSettings  # noqa: F401  (defined with the config; re-exported)
+from worker.kv_cache.eviction.adaptive import AdaptivePolicy, ShadowCache
 from worker.kv_cache.eviction.base import BlockMeta, EvictionPolicy
 from worker.kv_cache.eviction.chain import ChainPolicy
 from worker.kv_cache.eviction.classic import LFUPolicy, LRUPolicy, TierPolicy, TTLPolicy
@@ -26,9 +27,10 @@ from worker.kv_cache.eviction.retention import (
 from worker.kv_cache.eviction.sluice import SluicePolicy
 
 __all__ = [
-    "PRESSURE_LEVELS", "BlockMeta", "ChainPolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "RetentionConfig",
-    "RetentionSettings", "SluicePolicy", "TTLPolicy", "TierPolicy", "block_expiry_s", "caches_new_request",
-    "make_policy", "policy_names", "register_policy", "retention_for_pressure",
+    "PRESSURE_LEVELS", "AdaptivePolicy", "BlockMeta", "ChainPolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy",
+    "RetentionConfig", "RetentionSettings", "ShadowCache", "SluicePolicy", "TTLPolicy", "TierPolicy",
+    "block_expiry_s", "caches_new_request", "make_policy", "policy_names", "register_policy",
+    "retention_for_pressure",
 ]
 
 _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
@@ -38,6 +40,7 @@ _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "tier": TierPolicy,
     "sluice": SluicePolicy,
     "chain": ChainPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 

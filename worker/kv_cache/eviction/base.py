@@ -59,6 +59,15 @@ class EvictionPolicy(abc.ABC):
     def pop_victim(self, now_s: float) -> int | None:
         """Remove and return the block to evict now, or None when no block is evictable."""
 
+    def discard(self, block_id: int) -> None:
+        """Drop an evictable block that the cache evicts on another policy's choice, as if this one had chosen it.
+
+        :class:`~worker.kv_cache.eviction.adaptive.AdaptivePolicy` keeps several policies over one evictable set
+        and asks one of them for each victim; the others learn of the eviction here. Unknown ids are an error
+        (KeyError). The default is :meth:`remove`, right for a policy that learns nothing from a reuse.
+        """
+        self.remove(block_id)
+
     @abc.abstractmethod
     def __len__(self) -> int:
         """Number of evictable blocks."""

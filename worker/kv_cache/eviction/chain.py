@@ -289,6 +289,16 @@ class ChainPolicy(EvictionPolicy):
                 continue
             return self._evict(block_id)
 
+    def discard(self, block_id: int) -> None:
+        """Drop an evictable block evicted on another policy's choice: unlinked and ghost-listed like a victim."""
+        self._flush()
+        block = self._blocks.get(block_id)
+        if block is None or block.state == _IN_USE:
+            raise KeyError(block_id)
+        self._detach(block)
+        self._num_evictable += 1  # _evict counts it out
+        self._evict(block_id)
+
     def _evict(self, block_id: int) -> int:
         block = self._blocks.pop(block_id)
         self._num_evictable -= 1

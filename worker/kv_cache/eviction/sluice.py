@@ -133,15 +133,24 @@ class SluicePolicy(EvictionPolicy):
             key_s, neg_idx, seq, block_id = heapq.heappop(self._heap)
             if self._entry.get(block_id) != (key_s, neg_idx, seq):
                 continue
-            del self._entry[block_id]
-            block_class = self._class_of.pop(block_id)
-            self._ghost[self._hash_of.pop(block_id)] = (block_class, self._uses.pop(block_id))
-            max_ghosts = int(self.ghost_factor * len(self._entry))
-            while len(self._ghost) > max_ghosts:
-                _, (old_class, _) = self._ghost.popitem(last=False)
-                self._observe(old_class, reused=False)
+            self._evict(block_id)
             return block_id
         return None
+
+    def discard(self, block_id: int) -> None:
+        """Drop an evictable block evicted on another policy's choice: it enters the ghost list like a victim."""
+        if block_id not in self._entry:
+            raise KeyError(block_id)
+        self._evict(block_id)  # its heap entry goes stale and is skipped later
+
+    def _evict(self, block_id: int) -> None:
+        del self._entry[block_id]
+        block_class = self._class_of.pop(block_id)
+        self._ghost[self._hash_of.pop(block_id)] = (block_class, self._uses.pop(block_id))
+        max_ghosts = int(self.ghost_factor * len(self._entry))
+        while len(self._ghost) > max_ghosts:
+            _, (old_class, _) = self._ghost.popitem(last=False)
+            self._observe(old_class, reused=False)
 
     def __len__(self) -> int:
         return len(self._entry)

@@ -359,13 +359,13 @@ def compare(requests: Sequence[TraceRequest], capacities_blocks: Sequence[int], 
 def format_table(runs: Sequence[dict]) -> str:
     """Render hit rates (and fraction of Belady) as a fixed-width text table."""
     names = list(runs[0]["policies"]) if runs else []
-    header = f"{'capacity':>16} {'belady':>7} " + " ".join(f"{name:>15}" for name in names)
+    header = f"{'capacity':>16} {'belady':>7} " + " ".join(f"{name:>17}" for name in names)
     lines = [header]
     for entry in runs:
-        cells = [f"{entry['policies'][name]['hit_rate']:.4f} ({entry['policies'][name]['fraction_of_belady']:.0%})"
+        cells = [f"{entry['policies'][name]['hit_rate']:.4f} ({entry['policies'][name]['fraction_of_belady']:.1%})"
                  for name in names]
         capacity = f"{entry['capacity_blocks']} ({entry['capacity_fraction']:.0%})"
-        lines.append(f"{capacity:>16} {entry['belady']['hit_rate']:7.4f} " + " ".join(f"{c:>15}" for c in cells))
+        lines.append(f"{capacity:>16} {entry['belady']['hit_rate']:7.4f} " + " ".join(f"{c:>17}" for c in cells))
     return "\n".join(lines)
 
 

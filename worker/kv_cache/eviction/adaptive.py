@@ -19,8 +19,8 @@ class ShadowCache:
 
     It counts the prefix hits that policy would have had if it had made every decision, at the size it is given:
     an auxiliary tag directory in the sense of Qureshi et al. ("Adaptive Insertion Policies for High Performance
-    Caching", ISCA'07, §5), for a fully associative cache of prefix chains. A chain is replayed as the cache
-    simulator serves a request: the leading run of resident hashes is a hit (reuse stops at the first miss); each
+    Caching", ISCA'07), for a fully associative cache of prefix chains. A chain is replayed as the cache simulator
+    serves a request: the leading run of resident hashes is a hit (reuse stops at the first miss); each
     later hash not resident takes a slot (evicting the policy's victims once ``capacity_blocks`` are resident);
     a resident hash after the first miss is recomputed and its cached copy left alone. Then every block of the
     chain is released tail first, as the pool releases a block table.

@@ -7,6 +7,11 @@ real BlockPool / PrefixCache / policies, and writes
 vip / standard / free = 20 / 60 / 20% (priorities 2 / 1 / 0). Takes about a minute on one core.
 
     .venv/bin/python bench/cachesim_bench.py [--trace PATH]
+    .venv/bin/python bench/cachesim_bench.py --split   # bench/results/cachesim_split.json, see below
+
+``--split`` runs ``sluice cachesim TRACE --split`` at 5, 10 and 25% (lru, lfu, sluice, chain, adaptive): the first
+half of the trace by time is the one policies were tuned on, the second half the one to quote (the adaptive
+policy's acceptance: ≥ max(lru, lfu) − 0.5 points of Belady's share at each size, ≥ lru + 3 points at 10%).
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ from worker.kv_cache.cachesim import (  # noqa: E402
     plot,
     trace_stats,
 )
+from worker.kv_cache import cachesim_cli  # noqa: E402
 from worker.kv_cache.eviction import policy_names  # noqa: E402
 
+SPLIT_FRACTIONS = (0.05, 0.1, 0.25)
+SPLIT_POLICIES = ("lru", "lfu", "sluice", "chain", "adaptive")
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_fast25" / "conversation_trace.jsonl"
 
 
@@ -39,7 +47,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--split", action="store_true", help="tune / test halves by time (cachesim_split.json)")
     args = parser.parse_args()
+    if args.split:
+        return cachesim_cli.main([args.trace, "--split", "--capacity-fractions", ",".join(map(str, SPLIT_FRACTIONS)),
+                                  "--policy", ",".join(SPLIT_POLICIES),
+                                  "--json", str(Path(args.out_dir) / "cachesim_split.json")])
     started_s = time.perf_counter()
     requests = load_trace(args.trace)
     stats = trace_stats(requests)

@@ -172,7 +172,8 @@ class KVConfig(_Section):
     its tier) is below its recompute time (tokens ÷ measured prefill rate).
 
     Attributes:
-        eviction_policy: device pool policy: ``lru``, ``lfu``, ``ttl``, ``tier``, ``sluice`` or ``chain`` (see ``worker.kv_cache.eviction``).
+        eviction_policy: device pool policy: ``lru``, ``lfu``, ``ttl``, ``tier``, ``sluice``, ``chain`` or ``adaptive``
+            (see ``worker.kv_cache.eviction``; the README's KV cache section says which to pick).
         default_cache_ttl_s: retention of a request that names none (``Generate.cache_ttl_s == 0``); 0 = no expiry.
         max_cache_ttl_s: ceiling on any request's retention in seconds.
         max_cache_ttl_s_by_tier: tier name → ceiling on that tier's retention in seconds (tighter than the above).

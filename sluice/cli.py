@@ -13,7 +13,7 @@ _SUBCOMMANDS = {  # name: (module, function, what it does)
     "worker": ("worker.__main__", "main", "run one worker on its own (a model, or the sim backend)"),
     "replay": ("loadtest.replay", "main", "replay a request trace against a gateway and report TTFT per tier"),
     "plan": ("sluice.plan", "main", "capacity planner: workers needed for a trace or rate and TTFT SLOs"),
-    "cachesim": ("worker.kv_cache.cachesim", "main", "KV eviction policies against Belady on a trace"),
+    "cachesim": ("worker.kv_cache.cachesim_cli", "main", "KV eviction policies against Belady on a trace"),
     "config": ("sluice.config_cmd", "main", "check a config file, or print the reference of every key"),
 }
 

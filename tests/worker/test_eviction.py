@@ -10,6 +10,7 @@ import pytest
 
 from shared.config import KVConfig
 from worker.kv_cache.eviction import (
+    AdaptivePolicy,
     BlockMeta,
     ChainPolicy,
     EvictionPolicy,
@@ -23,7 +24,9 @@ from worker.kv_cache.eviction import (
     policy_names,
     retention_for_pressure,
 )
+from worker.kv_cache.cachesim import simulate_policy, trace_stats
 from worker.kv_cache.manager import KVCacheManager
+from worker.kv_cache.synthetic_trace import SHAPES, generate
 from worker.sequence import Sequence, SequenceStatus
 
 
@@ -40,15 +43,16 @@ def meta(block_id: int, **fields) -> BlockMeta:
 
 
 def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
-    assert policy_names() == ["chain", "lfu", "lru", "sluice", "tier", "ttl"]
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: chain, lfu, lru, sluice, tier, ttl"):
+    assert policy_names() == ["adaptive", "chain", "lfu", "lru", "sluice", "tier", "ttl"]
+    with pytest.raises(ValueError,
+                       match=r"unknown eviction policy 'mru'; valid: adaptive, chain, lfu, lru, sluice, tier, ttl"):
         make_policy("mru")
     for name in policy_names():
         policy = make_policy(name)
         assert policy.name == name and len(policy) == 0 and policy.pop_victim(0.0) is None
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "ttl", "tier", "sluice", "chain"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "ttl", "tier", "sluice", "chain", "adaptive"])
 def test_every_policy_tracks_membership_and_removal(name: str) -> None:
     policy = make_policy(name)
     for block_id in (1, 2, 3):
@@ -397,3 +401,116 @@ def test_expired_blocks_under_pressure_go_first_in_the_ttl_policy() -> None:
     policy.insert(1, meta(1, tier_priority=3, expires_at_s=block_expiry_s(critical, 3, 600.0, 0.0)), 0.0)
     policy.insert(2, meta(2, tier_priority=0, expires_at_s=block_expiry_s(critical, 0, 600.0, 1.0)), 1.0)
     assert drain(policy, 2.0) == [2, 1]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "ttl", "tier", "sluice", "chain"])
+def test_discard_drops_a_block_evicted_on_another_policys_choice(name: str) -> None:
+    policy = make_policy(name)
+    for block_id in (3, 2, 1):  # one chain, tail first
+        policy.insert(block_id, meta(block_id, block_idx=block_id - 1), 0.0)
+    policy.discard(2)
+    assert len(policy) == 2 and 2 not in policy
+    with pytest.raises(KeyError):
+        policy.discard(2)
+    assert sorted(drain(policy, 1.0)) == [1, 3]
+
+
+def release_chain(policy: EvictionPolicy, block_ids: list[int], now_s: float, first_hash: int = 0,
+                  **fields) -> None:
+    """Release one request's blocks tail first, as the pool does; block ``i`` of the chain hashes to first_hash + i."""
+    for block_idx in reversed(range(len(block_ids))):
+        policy.insert(block_ids[block_idx], BlockMeta(block_hash=first_hash + block_idx, block_idx=block_idx,
+                                                      **fields), now_s)
+
+
+def test_adaptive_without_evidence_evicts_like_lru() -> None:
+    adaptive, lru = AdaptivePolicy(), make_policy("lru")
+    for policy in (adaptive, lru):
+        release_chain(policy, [1, 2, 3], 0.0, first_hash=100)
+        release_chain(policy, [4, 5], 1.0, first_hash=200)
+        policy.remove(2)
+        policy.insert(2, BlockMeta(block_hash=101, block_idx=1), 2.0)
+    assert adaptive.leader_name == "lru"
+    assert drain(adaptive, 3.0) == drain(lru, 3.0) == [3, 1, 5, 4, 2]
+
+
+def test_adaptive_shadows_replay_released_chains_with_leading_run_hits() -> None:
+    """Each shadow serves the released chain as the simulator does: a hit is the leading run of resident blocks,
+    and a resident block after the first miss is not a hit."""
+    adaptive = AdaptivePolicy()
+    release_chain(adaptive, [1, 2, 3], 0.0, first_hash=100)  # hashes 100, 101, 102
+    assert {shadow.num_hit_blocks for shadow in adaptive.shadows} == {0}
+    adaptive.remove(1)
+    adaptive.remove(2)
+    for block_id, block_hash, block_idx in ((9, 201, 3), (8, 200, 2), (2, 101, 1), (1, 100, 0)):
+        adaptive.insert(block_id, BlockMeta(block_hash=block_hash, block_idx=block_idx), 1.0)
+    assert {shadow.num_hit_blocks for shadow in adaptive.shadows} == {2}
+    for block_id, block_hash, block_idx in ((12, 102, 2), (11, 300, 1), (10, 100, 0)):  # 100 resident, then a miss
+        adaptive.insert(block_id, BlockMeta(block_hash=block_hash, block_idx=block_idx), 2.0)
+    assert {shadow.num_hit_blocks for shadow in adaptive.shadows} == {3}
+    assert {len(shadow) for shadow in adaptive.shadows} == {6}  # 100, 101, 102, 200, 201, 300
+
+
+def test_adaptive_fills_a_chain_gap_from_the_last_release_of_its_parent() -> None:
+    """A cached block after the first miss is recomputed and not released again; the shadows still see it."""
+    adaptive = AdaptivePolicy()
+    adaptive.insert(3, BlockMeta(block_hash=102, block_idx=2), 0.0)
+    adaptive.insert(2, BlockMeta(block_hash=101, block_idx=1), 0.0)
+    adaptive.insert(1, BlockMeta(block_hash=100, block_idx=0, expires_at_s=0.5), 0.0)
+    assert adaptive.pop_victim(1.0) == 1  # the head expired: 101 and 102 stay cached without it
+    # the next turn (100 101 102 103) misses at its head: 100 and 103 are cached anew and released; 101 and 102
+    # are recomputed into private blocks (their hashes are taken), so the pool releases only block_idx 3 and 0
+    adaptive.insert(13, BlockMeta(block_hash=103, block_idx=3), 2.0)
+    adaptive.insert(10, BlockMeta(block_hash=100, block_idx=0), 2.0)
+    assert {shadow.num_hit_blocks for shadow in adaptive.shadows} == {3}  # 100, 101, 102: the gap was filled
+
+
+def test_adaptive_follows_the_expert_whose_shadow_hits_most() -> None:
+    """Shared system prompts under a stream of one-shot queries at 5% of the distinct blocks: the return-aware
+    ranking keeps the prompts (its shadow hits far more than LRU's), so the adaptive policy ends up following it,
+    and its own hit rate is within a point of that shadow's."""
+    requests = generate(SHAPES["system_prompts"])
+    capacity_blocks = trace_stats(requests)["num_distinct_blocks"] // 20
+    adaptive = AdaptivePolicy()
+    result = simulate_policy(requests, capacity_blocks, adaptive, {})
+    shadow_hit_rate = {shadow.policy.name: shadow.num_hit_blocks / result.num_block_refs
+                       for shadow in adaptive.shadows}
+    assert shadow_hit_rate["sluice"] > shadow_hit_rate["lru"] + 0.05
+    assert adaptive.leader_name == "sluice"
+    assert result.hit_rate > shadow_hit_rate["sluice"] - 0.01
+
+
+def test_adaptive_evicts_expired_blocks_first_whatever_the_leader() -> None:
+    adaptive = AdaptivePolicy()
+    release_chain(adaptive, [1, 2], 0.0, first_hash=100, expires_at_s=math.inf)
+    release_chain(adaptive, [3, 4], 1.0, first_hash=200, expires_at_s=5.0)
+    assert drain(adaptive, 4.0)[:2] == [2, 1]  # nothing expired yet: LRU order
+    release_chain(adaptive, [1, 2], 6.0, first_hash=100, expires_at_s=math.inf)
+    release_chain(adaptive, [5, 6], 7.0, first_hash=300, expires_at_s=7.5)
+    assert drain(adaptive, 8.0) == [6, 5, 2, 1]  # the expired chain first, then LRU
+
+
+@pytest.mark.parametrize("level, first_victim_tier", [("normal", "vip"), ("elevated", "batch")])
+def test_pressure_makes_the_adaptive_policy_evict_lower_tiers_and_expired_blocks_first(
+        level: str, first_victim_tier: str) -> None:
+    """Through the real KV manager: a vip chat released first and a batch chat released after it. At normal
+    pressure the older (vip) blocks go first (LRU order); at elevated pressure the batch tier is below the retained
+    tiers, so its blocks expire on release and the adaptive policy evicts them first though they are newer."""
+    clock_s = [0.0]
+    kv = KVCacheManager(8, 4, clock=lambda: clock_s[0], config=KVConfig(), eviction_policy="adaptive")
+    kv.set_pressure(level)
+    tables = {}
+    for name, priority, tokens in (("vip", 3, list(range(100, 112))), ("batch", 0, list(range(200, 212)))):
+        clock_s[0] += 1.0
+        seq = Sequence(name, tokens, tier=name, tier_priority=priority)
+        assert kv.admit(seq, max_new_tokens=10**9) == 0
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_blocks(seq)
+        tables[name] = kv.get_block_ids(name)
+        kv.free(seq)
+    assert isinstance(kv.pool.policy, AdaptivePolicy) and len(kv.pool.policy) == 6
+    clock_s[0] += 1.0
+    kv.pool.allocate(4)  # 2 free blocks, then 2 evictions
+    evicted = {name: [block_id for block_id in table if not kv.pool.is_cached(block_id)]
+               for name, table in tables.items()}
+    assert len(evicted[first_victim_tier]) == 2 and sum(map(len, evicted.values())) == 2

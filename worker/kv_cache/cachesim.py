@@ -1,6 +1,7 @@
 """Prefix-cache simulator: replay a trace of prompt block hashes through the real pool, prefix cache and policies.
 
-``sluice cachesim TRACE --policy lru --policy sluice --capacity-fractions 0.05,0.1`` replays the requests of a
+``sluice cachesim TRACE --policy lru --policy sluice --capacity-fractions 0.05,0.1`` (the command line is
+:mod:`worker.kv_cache.cachesim_cli`) replays the requests of a
 JSONL trace (Mooncake format: ``timestamp`` ms, ``input_length`` tokens, ``hash_ids`` chained block hashes) in
 timestamp order through :class:`~worker.kv_cache.block_pool.BlockPool`, :class:`~worker.kv_cache.prefix_cache.
 PrefixCache` and the :mod:`~worker.kv_cache.eviction` policies — no model, no KV tensor — and reports each
@@ -38,25 +39,22 @@ reaches the compulsory-miss bound, ``1 - distinct / references``, from 5% capaci
 
 Tiers: each conversation (its first block hash after the shared one) is hashed to a tier by a stated mix
 (default vip 20% / standard 60% / free 20%, priorities 2 / 1 / 0), so the ``tier`` policy has labels and every
-policy reports a hit rate per tier. The ``ttl`` policy gets a retention per tier (default vip 1200 s,
-standard 600 s, free 300 s).
+policy reports a hit rate per tier. The ``ttl`` policy's requests carry a retention per tier (default vip 1200 s,
+standard 600 s, free 300 s); the other policies' requests carry none (the worker's default, ``default_cache_ttl_s =
+0``), which matters to ``adaptive``, the other policy that evicts a block whose retention is over first.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import heapq
-import importlib.util
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.argtypes import POSITIVE_INT
 from worker.kv_cache.block_pool import BlockPool
-from worker.kv_cache.eviction import BlockMeta, EvictionPolicy, make_policy, policy_names
+from worker.kv_cache.eviction import BlockMeta, EvictionPolicy, make_policy
 from worker.kv_cache.prefix_cache import PrefixCache
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
@@ -347,7 +345,7 @@ def compare(requests: Sequence[TraceRequest], capacities_blocks: Sequence[int], 
                  "belady": {"hit_rate": belady.hit_rate, "hit_rate_by_tier": belady.hit_rate_by_tier()},
                  "policies": {}}
         for name in policies:
-            result = simulate_policy(requests, capacity_blocks, name, ttl_s_by_tier)
+            result = simulate_policy(requests, capacity_blocks, name, ttl_s_by_tier if name == "ttl" else {})
             entry["policies"][name] = {
                 "hit_rate": result.hit_rate,
                 "fraction_of_belady": result.hit_rate / belady.hit_rate if belady.hit_rate else 0.0,
@@ -361,13 +359,13 @@ def compare(requests: Sequence[TraceRequest], capacities_blocks: Sequence[int], 
 def format_table(runs: Sequence[dict]) -> str:
     """Render hit rates (and fraction of Belady) as a fixed-width text table."""
     names = list(runs[0]["policies"]) if runs else []
-    header = f"{'capacity':>16} {'belady':>7} " + " ".join(f"{name:>15}" for name in names)
+    header = f"{'capacity':>16} {'belady':>7} " + " ".join(f"{name:>17}" for name in names)
     lines = [header]
     for entry in runs:
-        cells = [f"{entry['policies'][name]['hit_rate']:.4f} ({entry['policies'][name]['fraction_of_belady']:.0%})"
+        cells = [f"{entry['policies'][name]['hit_rate']:.4f} ({entry['policies'][name]['fraction_of_belady']:.1%})"
                  for name in names]
         capacity = f"{entry['capacity_blocks']} ({entry['capacity_fraction']:.0%})"
-        lines.append(f"{capacity:>16} {entry['belady']['hit_rate']:7.4f} " + " ".join(f"{c:>15}" for c in cells))
+        lines.append(f"{capacity:>16} {entry['belady']['hit_rate']:7.4f} " + " ".join(f"{c:>17}" for c in cells))
     return "\n".join(lines)
 
 
@@ -406,132 +404,13 @@ def plot(runs: Sequence[dict], out_path: str | Path, title: str = "prefix cache 
     plt.close(fig)
 
 
-def _parse_fractions(text: str) -> tuple[float, ...]:
-    """argparse type: ``0.05,0.1`` -> (0.05, 0.1), each fraction in (0, 1]."""
-    fractions = []
-    for item in filter(None, (item.strip() for item in text.split(","))):
-        try:
-            fraction = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated numbers in (0, 1], got {item!r}") from None
-        if not 0.0 < fraction <= 1.0:  # NaN fails this too
-            raise argparse.ArgumentTypeError(f"each fraction must be in (0, 1], got {item}")
-        fractions.append(fraction)
-    if not fractions:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in (0, 1], got {text!r}")
-    return tuple(fractions)
+def split_by_time(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """Split a trace at the midpoint of its arrival times: (first half, second half) by time, not by count.
 
-
-def _parse_tier_mix(text: str) -> tuple[tuple[str, int, int], ...]:
-    """argparse type: ``vip:2:20,standard:1:60,free:0:20`` -> ((name, priority, percent), …).
-
-    Names are distinct and non-empty, priority and percent integers, percents ≥ 0 and summing to 100.
+    The first half is for choosing a policy's parameters, the second for reporting: a result on the second half
+    was not fitted to it.
     """
-    mix: list[tuple[str, int, int]] = []
-    for item in text.split(","):
-        name, *numbers = item.strip().split(":")
-        try:
-            if len(numbers) != 2 or not name:
-                raise ValueError
-            priority, percent = int(numbers[0]), int(numbers[1])
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"entry {item!r}: expected name:priority:percent with integers (e.g. vip:2:20)") from None
-        if percent < 0:
-            raise argparse.ArgumentTypeError(f"entry {item!r}: percent must be ≥ 0")
-        if any(name == other for other, _, _ in mix):
-            raise argparse.ArgumentTypeError(f"tier {name!r} is given twice")
-        mix.append((name, priority, percent))
-    total = sum(percent for _, _, percent in mix)
-    if total != 100:
-        raise argparse.ArgumentTypeError(f"percents must sum to 100, got {total} in {text!r}")
-    return tuple(mix)
-
-
-def _parse_policies(text: str) -> tuple[str, ...]:
-    """argparse type: ``lru,sluice`` -> ("lru", "sluice"); every name must be a known policy."""
-    names = tuple(filter(None, (name.strip() for name in text.split(","))))
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected policy names, got {text!r}; valid: {', '.join(policy_names())}")
-    for name in names:
-        try:
-            make_policy(name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return names
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice cachesim", description=__doc__.split("\n")[0])
-    parser.add_argument("trace", help="Mooncake JSONL trace: one {timestamp (ms), input_length, hash_ids} per line")
-    parser.add_argument("--policy", type=_parse_policies, nargs="+", action="extend", default=None,
-                        metavar="NAME",
-                        help="eviction policies to compare, space- or comma-separated, repeatable "
-                             f"(default: all of {', '.join(policy_names())})")
-    capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument("--capacity-blocks", type=POSITIVE_INT, action="append", default=None, metavar="N",
-                          help="pool size in blocks (≥ 1), repeatable")
-    capacity.add_argument("--capacity-fractions", type=_parse_fractions, default=None, metavar="F,F,…",
-                          help="pool sizes as fractions in (0, 1] of the trace's distinct blocks "
-                               f"(default {','.join(str(f) for f in DEFAULT_FRACTIONS)})")
-    parser.add_argument("--block-size-tokens", type=POSITIVE_INT, default=512, metavar="N",
-                        help="tokens per trace block, ≥ 1 (default %(default)s, Mooncake's)")
-    parser.add_argument("--keep-first-block", action="store_true",
-                        help="keep hash_ids[0] even when every request shares it")
-    parser.add_argument("--tier-mix", type=_parse_tier_mix, default="vip:2:20,standard:1:60,free:0:20",
-                        metavar="NAME:PRIORITY:PERCENT,…",
-                        help="tiers conversations are hashed into; percents sum to 100 (default %(default)s)")
-    parser.add_argument("--max-requests", type=POSITIVE_INT, default=None, metavar="N",
-                        help="replay only the first N requests (≥ 1; default all)")
-    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON here")
-    parser.add_argument("--plot", dest="plot_out", default=None, metavar="OUT", help="write a PNG plot here")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``sluice cachesim``; return the exit status.
-
-    Raises:
-        SystemExit: 2 with an argparse usage error naming the argument, for a bad option or an unreadable or
-            malformed trace (checked before any simulation runs).
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    policies = list(dict.fromkeys(name for names in args.policy or [policy_names()] for name in names))
-    for option, out_path in (("--json", args.json_out), ("--plot", args.plot_out)):
-        if out_path and not Path(out_path).resolve().parent.is_dir():
-            parser.error(f"argument {option}: no such directory {Path(out_path).resolve().parent}")
-    if args.plot_out and importlib.util.find_spec("matplotlib") is None:
-        parser.error("argument --plot: the plot needs matplotlib: pip install 'sluice[sim]'")
-    try:
-        requests = load_trace(args.trace, args.block_size_tokens, not args.keep_first_block, args.tier_mix,
-                              args.max_requests)
-    except OSError as exc:
-        parser.error(f"argument trace: {exc.strerror or exc}: {args.trace}")
-    except ValueError as exc:
-        parser.error(f"argument trace: {exc}")
     if not requests:
-        parser.error(f"argument trace: {args.trace} holds no request with a full block of "
-                     f"{args.block_size_tokens} tokens")
-    stats = trace_stats(requests)
-    if args.capacity_blocks:
-        capacities = args.capacity_blocks
-    else:
-        fractions = args.capacity_fractions or DEFAULT_FRACTIONS
-        capacities = [max(1, int(f * stats["num_distinct_blocks"])) for f in fractions]
-    runs = compare(requests, capacities, policies)
-    print(f"{stats['num_requests']} requests, {stats['num_block_refs']} block refs, "
-          f"{stats['num_distinct_blocks']} distinct blocks; compulsory bound {stats['compulsory_bound_hit_rate']:.4f}")
-    print(format_table(runs))
-    report = {"trace": str(args.trace), **stats, "tier_mix": [list(t) for t in args.tier_mix],
-              "ttl_s_by_tier": DEFAULT_TTL_S_BY_TIER, "belady": "MIN with bypass over the block reference stream",
-              "runs": runs}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    if args.plot_out:
-        plot(runs, args.plot_out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return [], []
+    mid_s = (min(r.arrival_s for r in requests) + max(r.arrival_s for r in requests)) / 2
+    return ([r for r in requests if r.arrival_s < mid_s], [r for r in requests if r.arrival_s >= mid_s])

@@ -47,7 +47,7 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-KEEP_ENTRIES = 3
+KEEP_ENTRIES = 4
 _CONTENT_KEYS: dict[tuple[str, int, int], str] = {}
 
 
@@ -110,6 +110,8 @@ def prune_cache(kind_root: str, keep: int = KEEP_ENTRIES) -> None:
     entries = []
     for name in names:
         full = os.path.join(kind_root, name)
+        if name.endswith(".json"):
+            continue
         if name.endswith(".tmp"):
             if not os.path.exists(os.path.join("/proc", name.rsplit(".", 2)[-2])):
                 shutil.rmtree(full, ignore_errors=True)

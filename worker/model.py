@@ -13,6 +13,7 @@ in attention. Final norm and LM head run only on the rows whose logits are wante
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -514,8 +515,10 @@ def load_gguf_model(path: str, weights_mode: str, attention_backend: str = "torc
 
     from shared import model_files
 
+    built_auto: list[LlamaModel] = []
+
     def build(folder: str) -> None:
-        model = LlamaModel.from_gguf(path, weights_mode, attention_backend)
+        model = built_auto[0] if built_auto else LlamaModel.from_gguf(path, weights_mode, attention_backend)
         tensors, kinds = _model_tensors(model)
         meta = {"spec": json.dumps(asdict(model.spec)), "kinds": json.dumps(kinds),
                 "weights_mode": model.weights_mode}
@@ -523,10 +526,27 @@ def load_gguf_model(path: str, weights_mode: str, attention_backend: str = "torc
         built.append(model)
 
     built: list[LlamaModel] = []
+    alias = os.path.join(model_files.cache_root(), "weights",
+                         f"{os.path.basename(path)[:-5]}-{model_files.content_key(path)[:16]}-auto.json")
+    if weights_mode == "auto":  # the mode auto picked for this file last time (saves reading it twice)
+        try:
+            with open(alias) as f:
+                weights_mode = json.load(f)["weights_mode"]
+        except (OSError, ValueError, KeyError):
+            model = LlamaModel.from_gguf(path, "auto", attention_backend)
+            weights_mode = model.weights_mode
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(alias), exist_ok=True)
+                with open(alias + ".tmp", "w") as f:
+                    json.dump({"weights_mode": weights_mode}, f)
+                os.replace(alias + ".tmp", alias)
+            built_auto.append(model)
     key = f"{weights_mode}-torch{torch.__version__.split('+')[0]}-v1"
     folder = model_files.cached_entry(path, "weights", key, build, ["model.safetensors"])
     if built:
         return built[0]
+    if built_auto:  # converted for auto while a valid entry of that mode already existed
+        return built_auto[0]
     if folder is None:  # the cache is unwritable: convert in memory
         return LlamaModel.from_gguf(path, weights_mode, attention_backend)
     weights_path = os.path.join(folder, "model.safetensors")

@@ -241,6 +241,25 @@ def run_transformers(prompts: list[str], batch_sizes: list[int]) -> list[dict]:
     return results
 
 
+def _ratios(result: dict, levels: list[int]) -> dict:
+    """Sluice ÷ llama.cpp (tok/s and TTFT p50) per level and mode, and Sluice ÷ transformers where both ran."""
+    ratios: dict = {}
+    for mode, run in result["sluice"].items():
+        ours = {r["concurrency"]: r for r in run["runs"]}
+        if "llama_cpp" in result:
+            peer = {r["concurrency"]: r for r in result["llama_cpp"]["runs"]}
+            for c in levels:
+                ratios[f"sluice_{mode}_vs_llama_cpp_tok_s_{c}"] = round(
+                    ours[c]["tokens_per_s"] / peer[c]["tokens_per_s"], 3)
+                ratios[f"sluice_{mode}_vs_llama_cpp_ttft_p50_{c}"] = round(
+                    ours[c]["ttft_ms_p50"] / peer[c]["ttft_ms_p50"], 3)
+        for row in result.get("transformers", []):
+            c = row["batch_size"]
+            if c in ours:
+                ratios[f"sluice_{mode}_vs_transformers_batch{c}"] = round(ours[c]["tokens_per_s"] / row["tokens_per_s"], 3)
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,16,32")
@@ -252,29 +271,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     prompts = mt_bench_prompts(max(levels))
-    sluice = {mode: run_sluice(prompts, levels, mode, args.repeats) for mode in args.weights.split(",")}
-    result: dict = {"new_tokens": NEW_TOKENS, "repeats": args.repeats, "sluice": sluice}
+    result: dict = {
+        "new_tokens": NEW_TOKENS, "repeats": args.repeats, "sluice": {},
+        "targets": {"vs_llama_cpp_tok_s_16_and_32": ">= 1.0", "vs_llama_cpp_tok_s_1": ">= 0.6",
+                    "vs_llama_cpp_ttft_p50_16": "<= 1.0 (lower is better)", "gateway_overhead_p99_ms": "< 5"},
+    }
+
+    def save() -> None:  # after every engine, so a later failure keeps what was measured
+        result["ratios"] = _ratios(result, levels)
+        write_result("serving", result)
+
+    for mode in args.weights.split(","):
+        result["sluice"][mode] = run_sluice(prompts, levels, mode, args.repeats)
+        save()
     if args.llama_server:
         result["llama_cpp"] = run_llama(args.llama_server, prompts, levels, args.repeats)
+        save()
     if not args.no_transformers:
         result["transformers"] = run_transformers(prompts, sorted({1, max(levels)}))
-    ratios: dict = {}
-    for mode, run in sluice.items():
-        ours = {r["concurrency"]: r for r in run["runs"]}
-        if "llama_cpp" in result:
-            peer = {r["concurrency"]: r for r in result["llama_cpp"]["runs"]}
-            for c in levels:
-                ratios[f"sluice_{mode}_vs_llama_cpp_tok_s_{c}"] = round(ours[c]["tokens_per_s"] / peer[c]["tokens_per_s"], 3)
-                ratios[f"sluice_{mode}_vs_llama_cpp_ttft_p50_{c}"] = round(ours[c]["ttft_ms_p50"] / peer[c]["ttft_ms_p50"], 3)
-        if "transformers" in result:
-            base = {r["batch_size"]: r["tokens_per_s"] for r in result["transformers"]}
-            for c in base:
-                if c in ours:
-                    ratios[f"sluice_{mode}_vs_transformers_batch{c}"] = round(ours[c]["tokens_per_s"] / base[c], 3)
-    result["ratios"] = ratios
-    result["targets"] = {"vs_llama_cpp_tok_s_16_and_32": ">= 1.0", "vs_llama_cpp_tok_s_1": ">= 0.6",
-                         "vs_llama_cpp_ttft_p50_16": "<= 1.0 (lower is better)", "gateway_overhead_p99_ms": "< 5"}
-    write_result("serving", result)
+        save()
     return result
 
 

@@ -15,6 +15,7 @@ import atexit
 import os
 import signal
 import sys
+import time
 import uuid
 
 import structlog
@@ -95,8 +96,11 @@ def build_worker(config: Config, worker_id: str):
         weights_mode = config.model.weights if device.type == "cpu" else ""
         if weights_mode == "auto" and config.model.dtype != "auto":
             weights_mode = ""  # an explicit dtype keeps a folder (or a GGUF file) dense in that dtype
+        load_start_s = time.perf_counter()
         model = load_model(resolve_model_path(config.model), getattr(torch, dtype_name), device,
                            attention_backend=wc.attention_backend, weights_mode=weights_mode)
+        log.info("model_loaded", weights=model.weights_mode, dtype=str(model.dtype),
+                 threads=torch.get_num_threads(), load_s=round(time.perf_counter() - load_start_s, 3))
         dtype = model.dtype
         dtype_name = str(dtype).removeprefix("torch.")
         spec = model.spec

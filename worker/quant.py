@@ -11,8 +11,9 @@ The kernel a row takes depends only on the row's kind, never on how many other r
 kernels compute each output row independently of the others (checked in ``tests/worker/test_quant.py``), so a
 request's decode tokens do not depend on its neighbours in the batch.
 
-Kernels, measured on a 2-core AMD EPYC (AVX-512, avx512_bf16, avx512_vnni), torch 2.13, one thread, the matmuls of
-10 SmolLM2-135M layers (``bench/kernel_bench``-style loop, ``/tmp`` script in the commit message)::
+Kernels, measured on a 2-core AMD EPYC (AVX-512, avx512_bf16, avx512_vnni), torch 2.13, one thread: the four
+projections of 10 SmolLM2-135M layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) called in a loop,
+random weights, 5 repeats (the machine was shared, so read ratios rather than absolute times)::
 
     rows            1        4       16       32      128
     int4 bf16     2.0 ms   3.4 ms  14.2 ms  51.2 ms  147 ms   aten._weight_int4pack_mm_for_cpu

@@ -33,6 +33,15 @@ BF16_UNIT_ROUNDOFF = 2.0**-9
 ROUNDINGS_PER_FORWARD = 8 * 30
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these tests run beside others on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
     from shared.config import default_model_path

@@ -281,14 +281,17 @@ def main(argv: list[str] | None = None) -> dict:
         result["ratios"] = _ratios(result, levels)
         write_result("serving", result)
 
-    for mode in args.weights.split(","):
-        result["sluice"][mode] = run_sluice(prompts, levels, mode, args.repeats)
-        save()
+    modes = args.weights.split(",")
+    result["sluice"][modes[0]] = run_sluice(prompts, levels, modes[0], args.repeats)
+    save()
     if args.llama_server:
         result["llama_cpp"] = run_llama(args.llama_server, prompts, levels, args.repeats)
         save()
     if not args.no_transformers:
         result["transformers"] = run_transformers(prompts, sorted({1, max(levels)}))
+        save()
+    for mode in modes[1:]:
+        result["sluice"][mode] = run_sluice(prompts, levels, mode, args.repeats)
         save()
     return result
 

@@ -55,6 +55,8 @@ bench: install-test
 
 # llama.cpp's llama-server, the peer of bench/serving_bench.py (--llama-server PATH): built from PyPI's
 # llama-cpp-python sdist by ../shared/tools/build_llama_server.sh (about 13 minutes on 2 cores; not part of test).
+# Its GGML_NATIVE build dies with SIGILL/SIGSEGV at the first compute on a CPU that lists AMX flags it cannot run
+# (this machine's "AMD EPYC" does): there, build with -DGGML_NATIVE=OFF and the AVX-512 options instead.
 peers:
 	bash ../shared/tools/build_llama_server.sh var/peers
 

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 
-.PHONY: install install-test run test bench cases loadtest redis chromium clean gpu-check
+.PHONY: install install-test run test bench cases loadtest redis chromium clean gpu-check peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ test: install-test redis chromium
 
 bench: install-test
 	$(PY) -m bench.run_all
+
+# llama.cpp's llama-server, the peer of bench/serving_bench.py (--llama-server PATH): built from PyPI's
+# llama-cpp-python sdist by ../shared/tools/build_llama_server.sh (about 13 minutes on 2 cores; not part of test).
+# Its GGML_NATIVE build dies with SIGILL/SIGSEGV at the first compute on a CPU that lists AMX flags it cannot run
+# (this machine's "AMD EPYC" does): there, build with -DGGML_NATIVE=OFF and the AVX-512 options instead.
+peers:
+	bash ../shared/tools/build_llama_server.sh var/peers
 
 # The behaviour cases of ../shared/cases against a gateway started with scripts/cases/config.toml (stopped again
 # on any exit); report in bench/results/cases_report.json. CASES_ARGS="--only BC06,BC26" runs some of them.

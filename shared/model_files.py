@@ -1,16 +1,21 @@
 """Loading a model's tokenizer and weights with transformers, from a GGUF file or a Hugging Face folder.
 
-A GGUF file is converted by transformers on every load: its tokenizer is rebuilt from the GGUF vocabulary (about
-7 s for SmolLM2-135M on 2 CPU cores) and its weights are dequantized (about 30 s). Both are done once per file
-and kept as a Hugging Face folder (``tokenizer.save_pretrained``; fp32 weights in ``model.safetensors`` with the
-``config.json`` and ``generation_config.json`` transformers wrote) under
-``$XDG_CACHE_HOME/sluice/gguf/<key>/`` (default ``~/.cache``). Later loads read that folder (under a second).
+A GGUF file's tokenizer is converted by transformers once (its vocabulary rebuilt: about 7 s for SmolLM2-135M on
+2 CPU cores) and kept as a Hugging Face folder (``tokenizer.save_pretrained``). The worker's converted weights
+(:func:`worker.model.load_gguf_model`) and transformers' fp32 dequantization (:func:`load_causal_lm`, the tests'
+reference) are kept the same way. Everything lives under :func:`cache_root` (``$XDG_CACHE_HOME/sluice``, default
+``~/.cache/sluice``)::
 
-The key hashes the GGUF file's absolute path, size and mtime and the transformers version, so a replaced file or
-an upgraded converter makes a new entry. An entry is written to a temporary folder, checked (the weights read back
-equal the dequantized ones; the tokenizer renders and encodes a probe conversation exactly as the GGUF one does)
-and then renamed into place, so a reader never sees half an entry. A cache that cannot be written is skipped: the
-load still succeeds, from the GGUF file.
+    gguf/<file stem>-<key>/tokenizer/            the tokenizer      (key: content hash + transformers version)
+    gguf/<file stem>-<key>/model/                transformers' fp32 checkpoint
+    weights/<file stem>-<content hash>-<mode>-torch<version>-v1/   model.safetensors + manifest.json
+
+Keys hash the file's CONTENT (SHA-256 of its bytes, computed once per process per file), never its path: a
+copied or moved file hits the same entry, a replaced one gets a new entry. An entry is written to a temporary
+folder, checked, given a ``manifest.json`` of its files' sizes and SHA-256 sums, and renamed into place, so a
+reader never sees half an entry; a reader verifies the manifest and rebuilds an entry that does not match (a
+truncated or corrupted file) instead of loading it. Each kind keeps only its :data:`KEEP_ENTRIES` most recently
+used entries. A cache that cannot be written is skipped: the load still succeeds, from the GGUF file.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -41,14 +47,107 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
+KEEP_ENTRIES = 4
+_CONTENT_KEYS: dict[tuple[str, int, int], str] = {}
+
+
+def content_key(path: str) -> str:
+    """Return the SHA-256 (hex) of a file's bytes; memoized per process by (absolute path, size, mtime)."""
+    st = os.stat(path)
+    memo = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if memo not in _CONTENT_KEYS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+        _CONTENT_KEYS[memo] = digest.hexdigest()
+    return _CONTENT_KEYS[memo]
+
+
 def cache_dir(gguf_path: str) -> str:
     """Return the cache folder of a GGUF file's converted tokenizer and weights (which may not exist yet)."""
-    st = os.stat(gguf_path)
     version = importlib.metadata.version("transformers")
-    key = hashlib.sha256(
-        f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|transformers={version}".encode()
-    ).hexdigest()[:32]
+    key = hashlib.sha256(f"{content_key(gguf_path)}|transformers={version}".encode()).hexdigest()[:32]
     return os.path.join(cache_root(), "gguf", f"{os.path.basename(gguf_path)[:-5]}-{key}")
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: str, files: list[str]) -> None:
+    manifest = {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                       "sha256": _file_sha256(os.path.join(folder, name))} for name in files}
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def verify_manifest(folder: str) -> bool:
+    """Return whether every file of ``folder``'s ``manifest.json`` exists with its recorded size and SHA-256."""
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            manifest = json.load(f)
+        return bool(manifest) and all(
+            os.path.getsize(os.path.join(folder, name)) == entry["bytes"]
+            and _file_sha256(os.path.join(folder, name)) == entry["sha256"]
+            for name, entry in manifest.items()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def prune_cache(kind_root: str, keep: int = KEEP_ENTRIES) -> None:
+    """Delete all but the ``keep`` most recently used entries (folders, by mtime) under ``kind_root``, and
+    temporary folders left by writers that died."""
+    try:
+        names = os.listdir(kind_root)
+    except OSError:
+        return
+    entries = []
+    for name in names:
+        full = os.path.join(kind_root, name)
+        if name.endswith(".json"):
+            continue
+        if name.endswith(".tmp"):
+            if not os.path.exists(os.path.join("/proc", name.rsplit(".", 2)[-2])):
+                shutil.rmtree(full, ignore_errors=True)
+            continue
+        try:
+            entries.append((os.stat(full).st_mtime, full))
+        except OSError:
+            continue
+    for _, full in sorted(entries, reverse=True)[keep:]:
+        shutil.rmtree(full, ignore_errors=True)
+
+
+def cached_entry(path: str, kind: str, key: str, build: Callable[[str], None], files: list[str]) -> str | None:
+    """Return a verified cache folder for (``path``'s content, ``kind``, ``key``), building it when missing.
+
+    ``build(tmp)`` writes ``files`` into a temporary folder; the manifest of their checksums is added and the
+    folder renamed into place. An existing entry whose manifest does not verify is deleted and rebuilt. Returns
+    the folder, or None when it could not be written (``build`` has still run).
+    """
+    kind_root = os.path.join(cache_root(), kind)
+    stem = os.path.basename(path).rsplit(".", 1)[0]
+    folder = os.path.join(kind_root, f"{stem}-{content_key(path)[:16]}-{key}")
+    if os.path.isdir(folder):
+        if verify_manifest(folder):
+            os.utime(folder)
+            return folder
+        log.warning("model_cache_corrupt", path=folder)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def write(tmp: str) -> None:
+        build(tmp)
+        _write_manifest(tmp, files)
+
+    written = _write_entry(folder, write, "model_cache_written")
+    prune_cache(kind_root)
+    return folder if written and verify_manifest(folder) else None
 
 
 def cache_root() -> str:
@@ -110,6 +209,7 @@ def load_tokenizer(path: str) -> Any:
             raise ValueError("the saved tokenizer does not render or encode like the GGUF one")
 
     _write_entry(folder, write, "gguf_tokenizer_cached")
+    prune_cache(os.path.join(cache_root(), "gguf"))
     return tokenizer
 
 

@@ -15,6 +15,7 @@ import atexit
 import os
 import signal
 import sys
+import time
 import uuid
 
 import structlog
@@ -47,6 +48,19 @@ def _pressure(usage: float) -> str:
     return "normal"
 
 
+def physical_cores() -> int:
+    """Return the physical cores this process may run on (hyperthread siblings counted once)."""
+    allowed = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in allowed:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
 def build_worker(config: Config, worker_id: str):
     """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`.
 
@@ -75,13 +89,21 @@ def build_worker(config: Config, worker_id: str):
         from worker.model_runner import ModelRunner
 
         device = torch.device("cuda" if backend == "cuda" else "cpu")
-        if backend == "cpu" and wc.num_threads > 0:
-            torch.set_num_threads(wc.num_threads)
+        if backend == "cpu":
+            torch.set_num_threads(wc.num_threads if wc.num_threads > 0 else physical_cores())
         dtype_name = config.model.dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-        dtype = getattr(torch, dtype_name)
-        model = load_model(resolve_model_path(config.model), dtype, device, attention_backend=wc.attention_backend)
+        weights_mode = config.model.weights if device.type == "cpu" else ""
+        if weights_mode == "auto" and config.model.dtype != "auto":
+            weights_mode = ""  # an explicit dtype keeps a folder (or a GGUF file) dense in that dtype
+        load_start_s = time.perf_counter()
+        model = load_model(resolve_model_path(config.model), getattr(torch, dtype_name), device,
+                           attention_backend=wc.attention_backend, weights_mode=weights_mode)
+        log.info("model_loaded", weights=model.weights_mode, dtype=str(model.dtype),
+                 threads=torch.get_num_threads(), load_s=round(time.perf_counter() - load_start_s, 3))
+        dtype = model.dtype
+        dtype_name = str(dtype).removeprefix("torch.")
         spec = model.spec
         bytes_per_block = model.kv_cache_bytes_per_block(wc.block_size_tokens, dtype)
         num_blocks = int(wc.kv_cache_gib * GIB // bytes_per_block)

@@ -13,7 +13,9 @@ in attention. Final norm and LM head run only on the rows whose logits are wante
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,10 @@ import torch.nn.functional as F
 
 from worker.attention import AttentionBackend, make_attention_backend
 from worker.batch import ForwardBatch
+from worker.quant import DenseLinear, Int4Linear, Int8Linear, Linear, RowSplit, quantize_int4_groups
+
+#: ``model.weights`` values; ``auto`` is resolved by :func:`resolve_weights_mode`
+WEIGHTS_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -59,15 +65,31 @@ class ModelSpec:
 
 @dataclass
 class _LayerWeights:
-    """One decoder layer's weights (``out_features x in_features``, as ``F.linear`` wants them)."""
+    """One decoder layer's weights (:class:`worker.quant.Linear`, ``out_features x in_features``)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    qkv: Linear  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden] (+ bias for Qwen2)
+    o: Linear  # [hidden, num_heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
+
+
+def activation_dtype(weights_mode: str, device: torch.device) -> torch.dtype:
+    """The activations' and KV pool's dtype of a weights mode: fp32 for ``float32``, else bf16."""
+    return torch.float32 if weights_mode == "float32" else torch.bfloat16
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weights_mode: str) -> Linear:
+    """Build a :class:`Linear` of ``weights_mode`` from float weights ``[out, in]`` (int4: min/max groups of 32;
+    int8: symmetric per channel)."""
+    if weights_mode == "int4":
+        q, scale, zero = quantize_int4_groups(weight)
+        return Int4Linear.from_codes(q, scale, zero, bias)
+    if weights_mode == "int8":
+        return Int8Linear.from_float(weight, bias)
+    dtype = activation_dtype(weights_mode, weight.device)
+    return DenseLinear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype))
 
 
 def _rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -135,7 +157,7 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[_LayerWeights],
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         attention: AttentionBackend,
     ) -> None:
         self.spec = spec
@@ -146,6 +168,11 @@ class LlamaModel:
         self.attention = attention
         self.dtype = embed.dtype
         self.device = embed.device
+        self.weights_mode = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(embed.dtype, str(embed.dtype))
+        self._split_rows = any(layer.qkv.kind != "dense" for layer in layers)
+        # bf16 models keep the residual stream in fp32 (norm weights too): only matmul inputs round to bf16
+        self._norms_f32 = [(layer.input_norm.float(), layer.post_norm.float()) for layer in layers]
+        self._final_norm_f32 = final_norm.float()
         self.scale = spec.head_dim**-0.5
         inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         angles = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float64), inv_freq)
@@ -163,15 +190,18 @@ class LlamaModel:
         device: torch.device | str,
         attention_backend: str = "torch",
         eos_token_ids: list[int] | None = None,
+        weights_mode: str = "",
     ) -> LlamaModel:
         """Take the weights of a loaded transformers ``*ForCausalLM`` into our own (fused) tensors.
 
         Args:
             hf_model: e.g. ``AutoModelForCausalLM.from_pretrained(...)``, a Llama, Mistral or Qwen2 model.
-            dtype: weight dtype (fp32 on the CPU; bf16/fp16 on a GPU).
+            dtype: weight dtype of dense weights (fp32 or bf16 on the CPU; bf16/fp16 on a GPU).
             device: target device.
             attention_backend: name for :func:`worker.attention.make_attention_backend`.
             eos_token_ids: overrides the config's EOS ids.
+            weights_mode: ``int4`` / ``int8`` quantize the projections on the CPU (activations bf16); "" or a
+                float mode keeps them dense in ``dtype``.
 
         Raises:
             ValueError: an unsupported architecture, RoPE scaling, sliding-window attention or missing weights.
@@ -219,6 +249,17 @@ class LlamaModel:
         def cat(*names: str) -> torch.Tensor:
             return torch.cat([take(n) for n in names], dim=0).contiguous()
 
+        quantized = weights_mode in ("int4", "int8")
+        if quantized:
+            dtype = torch.bfloat16
+
+        def linear(*names: str, bias_names: list[str] | None = None) -> Linear:
+            weight = cat(*names)
+            bias = cat(*bias_names) if bias_names else None
+            if quantized:
+                return make_linear(weight.float(), bias, weights_mode)
+            return DenseLinear(weight, bias)
+
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -228,12 +269,12 @@ class LlamaModel:
             layers.append(
                 _LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                    qkv_bias=cat(*bias_names) if has_bias else None,
-                    o=take(attn + "o_proj.weight"),
+                    qkv=linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight",
+                               bias_names=bias_names if has_bias else None),
+                    o=linear(attn + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
                 )
             )
         if any(name in state and "proj.bias" in name and "self_attn" not in name for name in state):
@@ -248,9 +289,89 @@ class LlamaModel:
             embed=embed,
             layers=layers,
             final_norm=take("model.norm.weight"),
-            lm_head=lm_head,
+            lm_head=DenseLinear(lm_head),
             attention=make_attention_backend(attention_backend, device),
         )
+
+    @classmethod
+    def from_gguf(cls, path: str, weights_mode: str, attention_backend: str = "torch") -> LlamaModel:
+        """Build the model on the CPU from a GGUF file's own bytes (:func:`worker.gguf_weights.read_gguf`).
+
+        Args:
+            path: the ``.gguf`` file.
+            weights_mode: ``float32`` / ``bfloat16`` (dense, dequantized exactly then cast), ``int4`` (Q4_0/Q4_1
+                codes and group scales taken as they are; other types quantized from their fp32 values, groups
+                of 32) or ``int8`` (per-channel, from the fp32 values); ``auto`` follows the file
+                (:func:`worker.gguf_weights.auto_weights_mode`). The embedding and the LM head stay dense in the
+                activation dtype (the head runs on the sampled rows only).
+            attention_backend: name for :func:`worker.attention.make_attention_backend`.
+
+        Raises:
+            ValueError: an unsupported architecture, tensor or weights mode.
+        """
+        from worker.gguf_weights import INT4_EXACT_TYPES, auto_weights_mode, read_gguf
+
+        gg = read_gguf(path)
+        if weights_mode == "auto":
+            weights_mode = auto_weights_mode(gg.file_type)
+        if weights_mode not in WEIGHTS_MODES[1:]:
+            raise ValueError(f"unknown weights mode {weights_mode!r}; valid: {', '.join(WEIGHTS_MODES)}")
+        c = gg.config
+        spec = ModelSpec(
+            num_layers=c["num_layers"], num_heads=c["num_heads"], num_kv_heads=c["num_kv_heads"],
+            head_dim=c["head_dim"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            vocab_size=c["vocab_size"], max_position_embeddings=c["max_position_embeddings"],
+            eos_token_ids=c["eos_token_ids"], rope_theta=c["rope_theta"], rms_norm_eps=c["rms_norm_eps"],
+            tie_word_embeddings=c["tie_word_embeddings"],
+            model_type="qwen2" if c["architecture"] == "qwen2" else "llama", rope_scaling=c["rope_scaling"],
+        )
+        dtype = activation_dtype(weights_mode, torch.device("cpu"))
+        t = gg.tensors
+
+        def vec(name: str) -> torch.Tensor:
+            if name not in t:
+                raise ValueError(f"GGUF file lacks weight {name!r}")
+            return t[name].to_float().to(dtype).contiguous()
+
+        def linear(*names: str, bias: bool = False) -> Linear:
+            parts = [t[n] for n in names]
+            bias_names = [n.replace(".weight", ".bias") for n in names]
+            b = torch.cat([t[n].to_float() for n in bias_names]) if bias else None
+            if weights_mode == "int4":
+                codes, scales, zeros = [], [], []
+                for part in parts:
+                    if part.type_name in INT4_EXACT_TYPES:
+                        q, scale, zero = part.codes, part.scale, part.zero
+                    else:
+                        q, scale, zero = quantize_int4_groups(part.to_float())
+                    codes.append(q)
+                    scales.append(scale)
+                    zeros.append(zero)
+                return Int4Linear.from_codes(torch.cat(codes), torch.cat(scales), torch.cat(zeros), b)
+            return make_linear(torch.cat([part.to_float() for part in parts]), b, weights_mode)
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            has_bias = attn + "q_proj.bias" in t
+            layers.append(
+                _LayerWeights(
+                    input_norm=vec(p + "input_layernorm.weight"),
+                    qkv=linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight",
+                               bias=has_bias),
+                    o=linear(attn + "o_proj.weight"),
+                    post_norm=vec(p + "post_attention_layernorm.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
+                )
+            )
+        embed = vec("model.embed_tokens.weight")
+        lm_head = embed if spec.tie_word_embeddings else vec("lm_head.weight")
+        model = cls(spec=spec, embed=embed, layers=layers, final_norm=vec("model.norm.weight"),
+                    lm_head=DenseLinear(lm_head), attention=make_attention_backend(attention_backend, "cpu"))
+        model.weights_mode = weights_mode
+        return model
 
     # ------------------------------------------------------------------ KV pool
 
@@ -267,13 +388,6 @@ class LlamaModel:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ forward
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in fp32 as transformers' ``LlamaRMSNorm`` does it, back in the model dtype."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)
-        normed = F.rms_norm(x.float(), weight.shape, None, self.spec.rms_norm_eps)
-        return weight * normed.to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -294,21 +408,29 @@ class LlamaModel:
         self.attention.begin_forward(batch)
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
-        x = self.embed[batch.input_ids]  # [num_tokens, hidden]
+        act = self.dtype
+        eps = spec.rms_norm_eps
+        hidden = (spec.hidden_size,)
+        x = self.embed[batch.input_ids].float()  # [num_tokens, hidden] fp32 residual stream
+        rows = (RowSplit.from_query_start_loc(batch.query_start_loc, self.device) if self._split_rows
+                else RowSplit.prefill_only())
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = _apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
-            k = _apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
-            v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            input_norm, post_norm = self._norms_f32[i]
+            h = F.rms_norm(x, hidden, input_norm, eps).to(act)
+            qkv = layer.qkv.forward(h, rows)
+            # RoPE on q and k together: [num_tokens, num_heads + num_kv_heads, head_dim]
+            qk = _apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, spec.head_dim), cos, sin)
+            q, k = qk.split((spec.num_heads, spec.num_kv_heads), dim=1)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
             attn = self.attention.forward(q, k, v, kv_cache[i], batch, self.scale)
-            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o)
-            h = self._rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        x = x.index_select(0, batch.logits_indices)
-        return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+            x = x + layer.o.forward(attn.reshape(num_tokens, q_size), rows)
+            h = F.rms_norm(x, hidden, post_norm, eps).to(act)
+            gate, up = layer.gate_up.forward(h, rows).chunk(2, dim=-1)
+            x = x + layer.down.forward(F.silu(gate) * up, rows)
+        if batch.logits_indices.shape[0] != num_tokens:
+            x = x.index_select(0, batch.logits_indices)
+        h = F.rms_norm(x, hidden, self._final_norm_f32, eps).to(act)
+        return self.lm_head.forward(h, rows).float()
 
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -327,23 +449,148 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
     return load_causal_lm(path, dtype)
 
 
+def resolve_weights_mode(weights_mode: str, dtype: torch.dtype) -> str:
+    """Return the weights mode that ``model.weights`` and ``model.dtype`` ask for: an explicit mode wins; ""
+    follows ``dtype`` (``float32`` or ``bfloat16``); ``auto`` stays ``auto`` (resolved from a GGUF file's type)."""
+    if weights_mode:
+        return weights_mode
+    return "bfloat16" if dtype == torch.bfloat16 else "float32"
+
+
+def _model_tensors(model: LlamaModel) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Flatten ``model``'s weights for the cache: ``(tensors by name, linear kind by layer-linear name)``."""
+    tensors: dict[str, torch.Tensor] = {"embed": model.embed, "final_norm": model.final_norm}
+    kinds: dict[str, str] = {}
+    if model.lm_head.weight is not model.embed:
+        tensors["lm_head"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        tensors[f"layers.{i}.input_norm"] = layer.input_norm
+        tensors[f"layers.{i}.post_norm"] = layer.post_norm
+        for name in ("qkv", "o", "gate_up", "down"):
+            linear = getattr(layer, name)
+            kinds[f"layers.{i}.{name}"] = linear.kind
+            for key, tensor in linear.tensors().items():
+                tensors[f"layers.{i}.{name}.{key}"] = tensor.contiguous()
+    return tensors, kinds
+
+
+def _model_from_tensors(spec: ModelSpec, weights_mode: str, tensors: dict[str, torch.Tensor],
+                        kinds: dict[str, str], attention_backend: str) -> LlamaModel:
+    from worker.quant import linear_from_tensors
+
+    layers = []
+    for i in range(spec.num_layers):
+        def lin(name: str, i: int = i) -> Linear:
+            prefix = f"layers.{i}.{name}."
+            parts = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            return linear_from_tensors(kinds[f"layers.{i}.{name}"], parts)
+
+        layers.append(_LayerWeights(input_norm=tensors[f"layers.{i}.input_norm"], qkv=lin("qkv"), o=lin("o"),
+                                    post_norm=tensors[f"layers.{i}.post_norm"], gate_up=lin("gate_up"),
+                                    down=lin("down")))
+    embed = tensors["embed"]
+    model = LlamaModel(spec=spec, embed=embed, layers=layers, final_norm=tensors["final_norm"],
+                       lm_head=DenseLinear(tensors.get("lm_head", embed)),
+                       attention=make_attention_backend(attention_backend, "cpu"))
+    model.weights_mode = weights_mode
+    return model
+
+
+def load_gguf_model(path: str, weights_mode: str, attention_backend: str = "torch") -> LlamaModel:
+    """Load a GGUF file for the CPU in ``weights_mode``, converted once and then read from the on-disk cache.
+
+    The converted tensors (packed int4 codes, scales, the dense copies, norms) and the model's shape are kept in
+    ``<cache root>/weights/<file stem>-<content hash>-<mode>-torch<version>/`` (see
+    :func:`shared.model_files.cached_entry`): keyed by the file's content, written to a temporary folder with a
+    SHA-256 of the weights file and renamed into place; an entry whose checksum does not match is rebuilt, never
+    loaded. Only the most recent entries are kept.
+
+    Raises:
+        ValueError: an unsupported architecture, tensor or weights mode.
+    """
+    import json
+    from dataclasses import asdict
+
+    import safetensors.torch
+
+    from shared import model_files
+
+    built_auto: list[LlamaModel] = []
+
+    def build(folder: str) -> None:
+        model = built_auto[0] if built_auto else LlamaModel.from_gguf(path, weights_mode, attention_backend)
+        tensors, kinds = _model_tensors(model)
+        meta = {"spec": json.dumps(asdict(model.spec)), "kinds": json.dumps(kinds),
+                "weights_mode": model.weights_mode}
+        safetensors.torch.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata=meta)
+        built.append(model)
+
+    built: list[LlamaModel] = []
+    alias = os.path.join(model_files.cache_root(), "weights",
+                         f"{os.path.basename(path)[:-5]}-{model_files.content_key(path)[:16]}-auto.json")
+    if weights_mode == "auto":  # the mode auto picked for this file last time (saves reading it twice)
+        try:
+            with open(alias) as f:
+                weights_mode = json.load(f)["weights_mode"]
+        except (OSError, ValueError, KeyError):
+            model = LlamaModel.from_gguf(path, "auto", attention_backend)
+            weights_mode = model.weights_mode
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(alias), exist_ok=True)
+                with open(alias + ".tmp", "w") as f:
+                    json.dump({"weights_mode": weights_mode}, f)
+                os.replace(alias + ".tmp", alias)
+            built_auto.append(model)
+    key = f"{weights_mode}-torch{torch.__version__.split('+')[0]}-v1"
+    folder = model_files.cached_entry(path, "weights", key, build, ["model.safetensors"])
+    if built:
+        return built[0]
+    if built_auto:  # converted for auto while a valid entry of that mode already existed
+        return built_auto[0]
+    if folder is None:  # the cache is unwritable: convert in memory
+        return LlamaModel.from_gguf(path, weights_mode, attention_backend)
+    weights_path = os.path.join(folder, "model.safetensors")
+    with safetensors.safe_open(weights_path, "pt") as f:
+        meta = f.metadata()
+    tensors = safetensors.torch.load_file(weights_path)
+    spec = ModelSpec(**json.loads(meta["spec"]))
+    return _model_from_tensors(spec, meta["weights_mode"], tensors, json.loads(meta["kinds"]), attention_backend)
+
+
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device | str, attention_backend: str = "torch"
+    path: str, dtype: torch.dtype, device: torch.device | str, attention_backend: str = "torch",
+    weights_mode: str = "",
 ) -> LlamaModel:
     """Load a Llama-family model from a GGUF file or a Hugging Face folder into our forward pass.
 
     Args:
         path: ``.gguf`` file or checkpoint folder.
-        dtype: weight and KV dtype (fp32 on the CPU).
+        dtype: activation and KV dtype of a dense model (fp32 or bf16 on the CPU; bf16/fp16 on a GPU).
         device: where it runs.
         attention_backend: ``auto``, ``torch`` or ``cupy``.
+        weights_mode: ``model.weights`` (see :data:`WEIGHTS_MODES`); "" follows ``dtype``. On the CPU a GGUF file
+            is read by :func:`load_gguf_model`; ``int4``/``int8`` of a folder quantize its weights at load.
+            On a GPU the weights are dense in ``dtype``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: an unsupported architecture (see :meth:`LlamaModel.from_hf`).
     """
-    # GGUF weights are dequantized to fp32 by transformers; a folder loads straight in ``dtype``.
-    hf_model = load_hf_model(path, torch.float32 if str(path).endswith(".gguf") else dtype)
-    model = LlamaModel.from_hf(hf_model, dtype, device, attention_backend)
+    device = torch.device(device)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    mode = resolve_weights_mode(weights_mode, dtype)
+    if device.type == "cpu" and str(path).endswith(".gguf"):
+        return load_gguf_model(path, mode, attention_backend)
+    if device.type != "cpu" or mode == "auto":
+        mode = ""
+    # transformers dequantizes GGUF weights to fp32; a folder loads straight in ``dtype``.
+    load_dtype = torch.float32 if str(path).endswith(".gguf") or mode in ("int4", "int8") else dtype
+    hf_model = load_hf_model(path, load_dtype)
+    if mode in ("float32", "bfloat16"):
+        dtype = getattr(torch, mode)
+    model = LlamaModel.from_hf(hf_model, dtype, device, attention_backend, weights_mode=mode)
+    if mode:
+        model.weights_mode = mode
     del hf_model
     return model

@@ -5,6 +5,7 @@ The one place where scheduler metadata (sequences, block ids) meets tensors.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
@@ -12,61 +13,96 @@ from worker.sampling import Sampler
 from worker.scheduler import SchedulerOutput
 
 
-def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
-    """Flatten the scheduled chunks of every sequence into one batch.
+class BatchBuilder:
+    """Turn a scheduler decision into a :class:`ForwardBatch` from preallocated host buffers, vectorised.
 
     Token ``t`` of a sequence lives in slot ``block_ids[t // block_size] * block_size + t % block_size``::
 
         seq 0: tokens [c0, c0+n0)   seq 1: tokens [c1, c1+n1)   ...
         input_ids = [seq0 chunk | seq1 chunk | ...]    query_start_loc = [0, n0, n0+n1, ...]
 
+    The only Python work per sequence is reading its chunk's token ids and its block table; positions, slots and
+    the padded block table are computed with numpy over the whole step. Buffers grow on demand and are reused.
+
     Args:
-        out: the scheduler's decision for this step (at least one scheduled sequence).
         block_size: tokens per KV block.
         device: where the model runs.
-
-    Returns:
-        The batch; ``logits_indices`` has one row per sequence whose chunk samples a token, in scheduled order.
     """
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    tables: list[list[int]] = []
-    for item in out.scheduled:
-        seq = item.seq
-        start = seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        token_ids = seq.all_token_ids
-        input_ids.extend(token_ids[start:end])
-        positions.extend(range(start, end))
-        block_ids = item.block_ids
-        slot_mapping.extend(block_ids[t // block_size] * block_size + t % block_size for t in range(start, end))
-        query_start_loc.append(len(input_ids))
-        seq_lens.append(end)
-        tables.append(block_ids)
-        if item.sample:
-            logits_indices.append(len(input_ids) - 1)
-    max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
 
-    def as_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._tables = np.zeros((64, 64), dtype=np.int64)
 
-    return ForwardBatch(
-        input_ids=as_tensor(input_ids, torch.int64),
-        positions=as_tensor(positions, torch.int64),
-        slot_mapping=as_tensor(slot_mapping, torch.int64),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=as_tensor(padded, torch.int32),
-        context_lens=as_tensor(seq_lens, torch.int32),
-        logits_indices=as_tensor(logits_indices, torch.int64),
-        max_seq_len=max(seq_lens),
-        is_decode_only=all(item.num_new_tokens == 1 for item in out.scheduled),
-    )
+    def build(self, out: SchedulerOutput) -> ForwardBatch:
+        """Flatten the scheduled chunks of every sequence (at least one) into one batch.
+
+        Returns:
+            The batch; ``logits_indices`` has one row per sequence whose chunk samples a token, in scheduled
+            order.
+        """
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        counts = np.empty(num_seqs, dtype=np.int64)
+        samples = np.empty(num_seqs, dtype=bool)
+        max_blocks = max(len(item.block_ids) for item in scheduled)
+        if self._tables.shape[0] < num_seqs or self._tables.shape[1] < max_blocks:
+            self._tables = np.zeros((max(num_seqs, self._tables.shape[0]), max(max_blocks, self._tables.shape[1])),
+                                    dtype=np.int64)
+        tables = self._tables[:num_seqs, :max_blocks]
+        tables.fill(0)
+        input_ids: list[int] = []
+        for s, item in enumerate(scheduled):
+            seq = item.seq
+            start = seq.num_computed_tokens
+            n = item.num_new_tokens
+            starts[s], counts[s], samples[s] = start, n, item.sample
+            num_prompt = len(seq.prompt_token_ids)
+            if start >= num_prompt:
+                input_ids.extend(seq.output_token_ids[start - num_prompt : start - num_prompt + n])
+            elif start + n <= num_prompt:
+                input_ids.extend(seq.prompt_token_ids[start : start + n])
+            else:
+                input_ids.extend(seq.prompt_token_ids[start:])
+                input_ids.extend(seq.output_token_ids[: start + n - num_prompt])
+            ids = item.block_ids
+            tables[s, : len(ids)] = ids
+        ends = starts + counts
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        if num_tokens == num_seqs:  # decode only: one token per sequence
+            seq_of_token = np.arange(num_seqs)
+            positions = starts
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), counts)
+            positions = np.arange(num_tokens) - np.repeat(qsl[:-1] - starts, counts)
+        slots = tables[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+        logits_indices = (qsl[1:] - 1)[samples]
+        device = self.device
+
+        def as_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=dtype, non_blocking=True)
+
+        seq_lens = ends.tolist()
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
+            positions=as_tensor(positions, torch.int64),
+            slot_mapping=as_tensor(slots, torch.int64),
+            query_start_loc=qsl.tolist(),
+            seq_lens=seq_lens,
+            block_tables=as_tensor(tables, torch.int32),
+            context_lens=as_tensor(ends, torch.int32),
+            logits_indices=as_tensor(logits_indices, torch.int64),
+            max_seq_len=max(seq_lens),
+            is_decode_only=num_tokens == num_seqs,
+        )
+
+
+def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
+    """Flatten the scheduled chunks of every sequence into one batch (see :class:`BatchBuilder`)."""
+    return BatchBuilder(block_size, device).build(out)
 
 
 class KVBlockIO:
@@ -127,10 +163,11 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.block_io = KVBlockIO(kv_cache)
+        self.batch_builder = BatchBuilder(block_size, device)
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample."""
-        batch = build_forward_batch(out, self.block_size, self.device)
+        batch = self.batch_builder.build(out)
         sampling = [item for item in out.scheduled if item.sample]
         if not sampling:
             with torch.inference_mode():

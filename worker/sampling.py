@@ -69,7 +69,9 @@ class Sampler:
         random_rows = [r for r, p in enumerate(params) if p.temperature != 0]
         if greedy_rows:
             rows = logits if len(greedy_rows) == num_rows else logits[greedy_rows]
-            for r, token in zip(greedy_rows, rows.argmax(dim=-1).tolist()):
+            # max(dim).indices: the first maximal index like argmax, and several times faster than argmax over
+            # [32, 49152] on the CPU (torch 2.13, one thread)
+            for r, token in zip(greedy_rows, rows.max(dim=-1).indices.tolist()):
                 tokens[r] = token
         if random_rows:
             picked = self._sample_random(

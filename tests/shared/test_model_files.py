@@ -72,3 +72,71 @@ def test_cache_key_changes_with_the_file(tmp_path, monkeypatch):
     assert first.startswith(str(tmp_path / "cache" / "sluice" / "gguf" / "m-"))
     gguf.write_bytes(b"GGUF" + b"\0" * 17)
     assert model_files.cache_dir(str(gguf)) != first
+
+
+def test_cache_key_follows_the_content_not_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, payload in ((a, b"same"), (b, b"same"), (c, b"different")):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + payload)
+    assert model_files.cache_dir(str(a)) == model_files.cache_dir(str(b))
+    assert model_files.cache_dir(str(a)) != model_files.cache_dir(str(c))
+
+
+def _entry(tmp_path, monkeypatch, builds: list[str]):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = tmp_path / "m.gguf"
+    if not source.exists():
+        source.write_bytes(b"GGUF model bytes")
+
+    def build(folder: str) -> None:
+        builds.append(folder)
+        with open(os.path.join(folder, "weights.bin"), "wb") as f:
+            f.write(b"\1" * 4096)
+
+    return model_files.cached_entry(str(source), "weights", "int4-v1", build, ["weights.bin"])
+
+
+def test_a_cache_entry_is_built_once_then_read(tmp_path, monkeypatch):
+    builds: list[str] = []
+    first = _entry(tmp_path, monkeypatch, builds)
+    second = _entry(tmp_path, monkeypatch, builds)
+    assert first == second and len(builds) == 1
+    assert sorted(os.listdir(first)) == ["manifest.json", "weights.bin"]
+    assert not [p for p in os.listdir(os.path.dirname(first)) if p.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+def test_a_corrupt_or_partial_cache_entry_is_rebuilt_not_loaded(tmp_path, monkeypatch, damage):
+    builds: list[str] = []
+    folder = _entry(tmp_path, monkeypatch, builds)
+    weights = os.path.join(folder, "weights.bin")
+    if damage == "truncate":
+        with open(weights, "r+b") as f:
+            f.truncate(100)
+    elif damage == "flip":
+        with open(weights, "r+b") as f:
+            f.seek(7)
+            f.write(b"\2")
+    else:
+        os.remove(os.path.join(folder, "manifest.json"))
+    assert not model_files.verify_manifest(folder)
+    again = _entry(tmp_path, monkeypatch, builds)
+    assert again == folder and len(builds) == 2 and model_files.verify_manifest(again)
+    assert open(weights, "rb").read() == b"\1" * 4096
+
+
+def test_only_the_most_recent_cache_entries_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folders = []
+    for i in range(model_files.KEEP_ENTRIES + 2):
+        source = tmp_path / f"m{i}.gguf"
+        source.write_bytes(f"GGUF {i}".encode())
+        folder = model_files.cached_entry(str(source), "weights", "k", lambda f: open(os.path.join(f, "w"), "w").close(),
+                                          ["w"])
+        os.utime(folder, (1000 + i, 1000 + i))  # entry i used at time 1000 + i
+        folders.append(folder)
+    model_files.prune_cache(os.path.dirname(folders[0]))
+    kept = sorted(os.path.join(os.path.dirname(folders[0]), n) for n in os.listdir(os.path.dirname(folders[0])))
+    assert kept == sorted(folders[-model_files.KEEP_ENTRIES:])

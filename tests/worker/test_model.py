@@ -102,6 +102,18 @@ def _mt_bench_prompts() -> list[str]:
 
 def test_paged_prefill_and_decode_logits_match_transformers(model, hf_model, tokenizer):
     """3 prompts batched: prefill, then 8 batched decode steps, shuffled block tables; logits within 1e-3."""
+    _check_logits_match_transformers(model, hf_model, tokenizer)
+
+
+def test_gguf_read_directly_in_float32_matches_transformers(gguf_path, hf_model, tokenizer):
+    """``model.weights = "float32"``: our own GGUF reader (exact dequantization, Q/K rows un-interleaved) gives
+    transformers' logits within 1e-3, like the weights taken from transformers' model."""
+    direct = load_model(gguf_path, torch.float32, "cpu", weights_mode="float32")
+    assert direct.weights_mode == "float32" and direct.dtype == torch.float32
+    _check_logits_match_transformers(direct, hf_model, tokenizer)
+
+
+def _check_logits_match_transformers(model, hf_model, tokenizer):
     prompts = [tokenizer.encode(text) for text in LOGITS_PROMPTS]
     num_decode_steps = 8
     tables = _tables([len(p) + num_decode_steps for p in prompts], seed=1)

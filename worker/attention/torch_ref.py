@@ -100,6 +100,7 @@ class _DecodeChunk:
     max_blocks: int
     flat_block_ids: torch.Tensor
     pad_mask: torch.Tensor
+    keep_mask: torch.Tensor | None = None
 
 
 class DecodeMeta:
@@ -197,17 +198,59 @@ def paged_decode_attention_with_meta(
     return out
 
 
-def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def sdpa_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMeta, scale: float
+) -> torch.Tensor:
+    """Decode attention in the pool's dtype through ``F.scaled_dot_product_attention`` (torch's fused CPU
+    kernel: fp32 accumulation, no fp32 copy of the gathered K/V), the CPU decode path of
+    :class:`TorchAttentionBackend`. Same contract as :func:`paged_decode_attention_with_meta`; per chunk of
+    sequences, whole blocks are gathered with one ``index_select`` per pool and laid out ``[seqs, kv, L, d]``::
+
+        q: [seqs, heads, 1, d]   k, v: [seqs, kv, max_blocks * block_size, d]   mask: [seqs, 1, 1, L] (True = keep)
+
+    Measured against the fp32 reference on a 2-core EPYC, bf16 pool, one thread: 45 us vs 234 us at 1 sequence
+    (200 tokens), 5.3 ms vs 9.1 ms at 32 sequences (250 tokens).
+    """
+    num_kv_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_heads = q.shape[1]
+
+    def run(q_rows: torch.Tensor, chunk: _DecodeChunk) -> torch.Tensor:
+        n = q_rows.shape[0]
+        length = chunk.max_blocks * block_size
+        shape = (n, chunk.max_blocks, num_kv_heads, block_size, head_dim)
+        k = k_cache.index_select(0, chunk.flat_block_ids).view(shape).transpose(1, 2).reshape(n, num_kv_heads,
+                                                                                           length, head_dim)
+        v = v_cache.index_select(0, chunk.flat_block_ids).view(shape).transpose(1, 2).reshape(n, num_kv_heads,
+                                                                                           length, head_dim)
+        if chunk.keep_mask is None:
+            chunk.keep_mask = ~chunk.pad_mask
+        out = F.scaled_dot_product_attention(q_rows.view(n, num_heads, 1, head_dim), k, v, attn_mask=chunk.keep_mask,
+                                             scale=scale, enable_gqa=num_heads != num_kv_heads)
+        return out.view(n, num_heads, head_dim)
+
+    if len(meta.chunks) == 1:
+        return run(q, meta.chunks[0])
+    out = torch.empty_like(q)
+    for chunk in meta.chunks:
+        out[chunk.row_start : chunk.row_end] = run(q[chunk.row_start : chunk.row_end], chunk)
+    return out
+
+
+def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             block_ids: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
     """Write this step's K/V into their slots of one layer's pool, in place.
 
     Args:
         layer_kv: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, contiguous.
         k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the pool's dtype.
         slot_mapping: ``[num_tokens]`` int64 flat slots ``block_id * block_size + offset``.
+        block_ids, offsets: ``slot_mapping`` split into block and offset (computed here when None; a backend
+            computes them once per step).
     """
     block_size = layer_kv.shape[3]
-    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - block_ids * block_size
+    if block_ids is None or offsets is None:
+        block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        offsets = slot_mapping - block_ids * block_size
     # Advanced indices split by a slice: the indexed view is [num_tokens, num_kv_heads, head_dim], like k and v.
     layer_kv[0][block_ids, :, offsets] = k
     layer_kv[1][block_ids, :, offsets] = v
@@ -232,6 +275,8 @@ class _StepPlan:
 
     def __init__(self, batch: ForwardBatch, pool: torch.Tensor) -> None:
         block_size = pool.shape[2]
+        self.block_ids = torch.div(batch.slot_mapping, block_size, rounding_mode="floor")
+        self.offsets = batch.slot_mapping - self.block_ids * block_size
         qsl = batch.query_start_loc
         device = batch.block_tables.device
         decode_seqs = [s for s in range(batch.num_seqs) if qsl[s + 1] - qsl[s] == 1]
@@ -303,16 +348,17 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """Write K/V, then attend (see :meth:`AttentionBackend.forward`)."""
-        write_kv(layer_kv, k, v, batch.slot_mapping)
         num_kv_heads = layer_kv.shape[2]
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         plan = self._plan_for(batch, k_cache)
+        write_kv(layer_kv, k, v, batch.slot_mapping, plan.block_ids, plan.offsets)
+        decode = sdpa_decode_attention if k_cache.device.type == "cpu" else paged_decode_attention_with_meta
         if plan.all_decode:
-            return paged_decode_attention_with_meta(q, k_cache, v_cache, plan.decode_meta, scale)
+            return decode(q, k_cache, v_cache, plan.decode_meta, scale)
         out = torch.empty_like(q)
         if plan.decode_meta is not None:
             q_decode = q.index_select(0, plan.decode_rows)
-            out_decode = paged_decode_attention_with_meta(q_decode, k_cache, v_cache, plan.decode_meta, scale)
+            out_decode = decode(q_decode, k_cache, v_cache, plan.decode_meta, scale)
             out.index_copy_(0, plan.decode_rows, out_decode)
         group = q.shape[1] // num_kv_heads
         for start, end, context_len, blocks, mask in plan.prefills:

@@ -1,0 +1,157 @@
+"""The CPU weights modes against the fp32 path, on the default GGUF (SmolLM2-135M-Instruct, Q4_1 layers, Q8_0
+embedding).
+
+The reference is the same file dequantized exactly to fp32 (``model.weights = "float32"``, itself checked
+against transformers in ``test_model.py``).
+
+Logit bound of the int4 path. Its weights are the file's own 4-bit codes; what differs from the fp32 reference is
+rounding to bf16 (unit roundoff ``u = 2**-9``): the group scales and mins (fp16 in the file, bf16 in the kernel),
+every matmul input (the normed hidden state, the attention output, the MLP product), the RoPE tables, the K/V in the
+pool and every matmul output; the residual stream stays fp32. That is about ``n = 8`` roundings of relative size
+``u`` per layer, ``n = 240`` over 30 layers. Independent roundings add up like a random walk, so the logits carry
+a relative error of about ``sqrt(n) u ~ 15.5 u`` of their scale; the bound is ``16 u max|logit|`` (1.07 for these
+prompts, whose largest logit is about 34-37; measured: 0.53 max).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.protocol import Generate, SamplingParams
+from tests.worker.quant_helpers import perplexity, prefill_then_decode, reference_pairs
+from worker.model import load_model
+
+LOGITS_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "In a small village at the foot of the mountains, there lived an old clockmaker who",
+]
+BF16_UNIT_ROUNDOFF = 2.0**-9
+ROUNDINGS_PER_FORWARD = 8 * 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these tests run beside others on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    from shared.config import default_model_path
+
+    try:
+        return default_model_path()
+    except Exception as exc:  # the model package is an install-time dependency
+        pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    from shared.model_files import load_tokenizer
+
+    return load_tokenizer(gguf_path)
+
+
+_MODELS: dict[str, object] = {}
+
+
+def _model(gguf_path: str, mode: str):
+    if mode not in _MODELS:
+        _MODELS[mode] = load_model(gguf_path, torch.float32, "cpu", weights_mode=mode)
+    return _MODELS[mode]
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    return _model(gguf_path, "float32")
+
+
+@pytest.fixture(scope="module")
+def int4(gguf_path):
+    return _model(gguf_path, "int4")
+
+
+def test_auto_weights_follow_the_file(gguf_path):
+    from worker.gguf_weights import auto_weights_mode
+
+    assert _model(gguf_path, "int4").weights_mode == "int4"
+    assert load_model(gguf_path, torch.float32, "cpu", weights_mode="auto").weights_mode == "int4"
+    assert [auto_weights_mode(t) for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0", "F16", "F32")] == [
+        "int4", "int4", "int4", "int8", "int8", "int8", "float32", "float32"]
+
+
+def test_int4_logits_within_bf16_rounding_bound_of_fp32_reference(reference, int4, tokenizer):
+    """Prefill + 8 decode steps on 3 prompts: max |logit difference| <= 16 u max|logit| (module docstring)."""
+    worst = 0.0
+    for prompt in LOGITS_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        ref_logits, fed = prefill_then_decode(reference, ids, 8)
+        our_logits, _ = prefill_then_decode(int4, ids, 8, forced=fed)
+        scale = max(row.abs().max().item() for row in ref_logits)
+        bound = math.ceil(math.sqrt(ROUNDINGS_PER_FORWARD)) * BF16_UNIT_ROUNDOFF * scale  # 16 u max|logit|
+        err = max((a - b).abs().max().item() for a, b in zip(ref_logits, our_logits))
+        worst = max(worst, err)
+        assert err <= bound, f"{prompt!r}: max |logit error| {err:.3f} > bound {bound:.3f}"
+    print(f"int4 vs fp32 max |logit error| {worst:.3f}")
+
+
+def test_int4_perplexity_within_3_percent_of_fp32(reference, int4, tokenizer):
+    pairs = reference_pairs(tokenizer, 20)
+    assert len(pairs) == 20
+    ppl_ref = perplexity(reference, pairs)
+    ppl_int4 = perplexity(int4, pairs)
+    print(f"perplexity on 20 MT-Bench reference answers: fp32 {ppl_ref:.4f}, int4 {ppl_int4:.4f}")
+    assert abs(ppl_int4 / ppl_ref - 1) <= 0.03
+
+
+def test_int4_greedy_tokens_agree_with_fp32_on_90_percent(reference, int4, tokenizer):
+    """Along the fp32 path's greedy continuation (32 tokens after each of 10 prompts), the int4 path picks the
+    same token at >= 90% of the positions."""
+    agree = total = 0
+    for prompt, _ in reference_pairs(tokenizer, 10):
+        ref_logits, fed = prefill_then_decode(reference, prompt, 32)
+        our_logits, _ = prefill_then_decode(int4, prompt, 32, forced=fed)
+        agree += sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(ref_logits[:-1], our_logits[:-1]))
+        total += len(fed)
+    print(f"int4 greedy agreement with fp32: {agree}/{total} = {agree / total:.3f}")
+    assert agree / total >= 0.90
+
+
+def _engine(model):
+    from worker.engine import Engine
+    from worker.kv_cache.manager import KVCacheManager
+    from worker.model_runner import ModelRunner
+    from worker.scheduler import Scheduler
+
+    block_size, num_blocks = 16, 160
+    kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+    runner = ModelRunner(model, kv_cache, block_size, torch.device("cpu"))
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    return Engine(Scheduler(kv, 16, 512, 2048), runner, model.spec.eos_token_ids)
+
+
+def _generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    engine = _engine(model)
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", Generate(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens, ignore_eos=True))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for event in engine.step().events:
+            tokens[event.request_id].extend(event.new_token_ids)
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int8", "int4"])
+def test_eight_concurrent_greedy_requests_equal_each_alone(gguf_path, tokenizer, mode):
+    model = _model(gguf_path, mode)
+    prompts = [p for p, _ in reference_pairs(tokenizer, 8)]
+    together = _generate(model, prompts, 12)
+    alone = [_generate(model, [p], 12)[0] for p in prompts]
+    assert together == alone

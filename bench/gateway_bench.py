@@ -6,7 +6,8 @@ the same shape: a streamed chat completion (``stream_options.include_usage``) wi
 MT-Bench first-turn user prompt (80 distinct, cycled), ``max_tokens`` 8 with ``ignore_eos`` — 8 output tokens, a role
 chunk, 8 content chunks, a finish chunk, the usage chunk and ``[DONE]``.
 
-The load client runs in its own process (raw ``aiohttp``, one connection pool), so its CPU is not the gateway's.
+The load client runs in ``--client-processes`` processes of its own (raw ``aiohttp``), so its CPU is not the
+gateway's and one client process is not the bottleneck.
 Phases, in one run, each bounded by a request count and a wall-clock limit:
 
 1. **closed loop**: ``--concurrency`` (32) clients back to back for ``--closed-requests`` (1000) requests. Its
@@ -163,19 +164,35 @@ def _client_process(conn, base_url: str, prompts: list[str], phase: dict) -> Non
     conn.close()
 
 
-def run_client(base_url: str, prompts: list[str], **phase) -> dict:
-    """Run one load phase in a separate process (so the client's CPU is not counted) and return its results."""
+def run_client(base_url: str, prompts: list[str], num_processes: int, concurrency: int, num_requests: int,
+               rate_rps: float | None, limit_s: float) -> dict:
+    """Run one load phase in ``num_processes`` client processes (so the client's CPU is not the gateway's, and
+    one client process is not the bottleneck), each with its share of the concurrency, requests and rate."""
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_client_process, args=(child, base_url, prompts, phase), daemon=True)
-    process.start()
+    processes, pipes = [], []
+    for i in range(num_processes):
+        share = dict(concurrency=max(1, concurrency // num_processes),
+                     num_requests=num_requests // num_processes + (i < num_requests % num_processes),
+                     rate_rps=None if rate_rps is None else rate_rps / num_processes, limit_s=limit_s)
+        parent, child = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_client_process, args=(child, base_url, prompts[i:] + prompts[:i], share),
+                              daemon=True)
+        process.start()
+        processes.append(process)
+        pipes.append(parent)
+    merged: dict = {"results": [], "errors": [], "wall_s": 0.0}
     try:
-        result = parent.recv()
+        for parent in pipes:
+            part = parent.recv()
+            merged["results"] += part["results"]
+            merged["errors"] += part["errors"]
+            merged["wall_s"] = max(merged["wall_s"], part["wall_s"])
     finally:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-    return result
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return merged
 
 
 # ---------------------------------------------------------------------- measurement
@@ -253,6 +270,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="local sim workers")
     parser.add_argument("--time-scale", type=float, default=0.2, help="sim.time_scale (shorter simulated steps)")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--client-processes", type=int, default=2, help="load client processes")
     parser.add_argument("--closed-requests", type=int, default=1000)
     parser.add_argument("--rates", type=float, nargs="*", default=[100.0, 300.0])
     parser.add_argument("--open-s", type=float, default=10.0, help="seconds of each open-loop rate")
@@ -270,7 +288,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, sluice_serve(Path(tmp), config, min_ready_workers=args.workers) \
             as server:
         pid = server.process.pid
-        run_client(server.base_url, prompts, concurrency=args.concurrency, num_requests=args.warmup_requests,
+        run_client(server.base_url, prompts, args.client_processes, concurrency=args.concurrency, num_requests=args.warmup_requests,
                    rate_rps=None, limit_s=60.0)
         plan = [("closed_loop", dict(concurrency=args.concurrency, num_requests=args.closed_requests,
                                      rate_rps=None, limit_s=120.0))]
@@ -284,7 +302,7 @@ def main() -> None:
             time.sleep(0.5)
             spy = _start_py_spy(pid, args.profile) if args.profile and name == "closed_loop" else None
             cpu_before_s = process_cpu_s(pid)
-            phase = run_client(server.base_url, prompts, **phase_args)
+            phase = run_client(server.base_url, prompts, args.client_processes, **phase_args)
             cpu_s = process_cpu_s(pid) - cpu_before_s
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
@@ -296,7 +314,7 @@ def main() -> None:
     cpu_ms = closed["gateway_cpu_ms_per_request"]
     result = {
         "bench": "gateway",
-        "config": {"workers": args.workers, "time_scale": args.time_scale, "concurrency": args.concurrency,
+        "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale, "concurrency": args.concurrency,
                    "closed_requests": args.closed_requests, "rates_rps": args.rates, "open_s": args.open_s,
                    "output_tokens": OUTPUT_TOKENS, "cpu_count": os.cpu_count(),
                    "load_avg_1m": round(os.getloadavg()[0], 2)},

@@ -277,7 +277,9 @@ def main() -> None:
     parser.add_argument("--warmup-requests", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="short smoke run (300 closed, 3 s per rate)")
     parser.add_argument("--out", default="gateway", help="result name under bench/results/")
-    parser.add_argument("--profile", default="", help="py-spy flame graph (SVG) of the gateway during the closed loop")
+    parser.add_argument("--profile", default="", help="py-spy flame graph (SVG; collapsed stacks for .txt) of the "
+                        "gateway during one phase")
+    parser.add_argument("--profile-phase", default="closed_loop", help="the phase --profile samples")
     args = parser.parse_args()
     if args.quick:
         args.closed_requests, args.open_s, args.warmup_requests = 300, 3.0, 50
@@ -288,8 +290,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, sluice_serve(Path(tmp), config, min_ready_workers=args.workers) \
             as server:
         pid = server.process.pid
-        run_client(server.base_url, prompts, args.client_processes, concurrency=args.concurrency, num_requests=args.warmup_requests,
-                   rate_rps=None, limit_s=60.0)
+        run_client(server.base_url, prompts, args.client_processes, concurrency=args.concurrency,
+                   num_requests=args.warmup_requests, rate_rps=None, limit_s=60.0)
         plan = [("closed_loop", dict(concurrency=args.concurrency, num_requests=args.closed_requests,
                                      rate_rps=None, limit_s=120.0))]
         plan += [(f"open_loop_{rate:g}_rps", dict(concurrency=args.concurrency, num_requests=int(rate * args.open_s),
@@ -300,7 +302,7 @@ def main() -> None:
         idle_cpu_ms_per_s = (process_cpu_s(pid) - idle_cpu_before_s) * 1000 / IDLE_S
         for name, phase_args in plan:
             time.sleep(0.5)
-            spy = _start_py_spy(pid, args.profile) if args.profile and name == "closed_loop" else None
+            spy = _start_py_spy(pid, args.profile) if args.profile and name == args.profile_phase else None
             cpu_before_s = process_cpu_s(pid)
             phase = run_client(server.base_url, prompts, args.client_processes, **phase_args)
             cpu_s = process_cpu_s(pid) - cpu_before_s
@@ -314,7 +316,8 @@ def main() -> None:
     cpu_ms = closed["gateway_cpu_ms_per_request"]
     result = {
         "bench": "gateway",
-        "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale, "concurrency": args.concurrency,
+        "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale,
+                   "concurrency": args.concurrency,
                    "closed_requests": args.closed_requests, "rates_rps": args.rates, "open_s": args.open_s,
                    "output_tokens": OUTPUT_TOKENS, "cpu_count": os.cpu_count(),
                    "load_avg_1m": round(os.getloadavg()[0], 2)},

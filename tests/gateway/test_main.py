@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from gateway.__main__ import parse_args
+from gateway.__main__ import log_line_json, parse_args
 from tests.conftest import REPO_ROOT, TEST_CONFIG, _free_port, get_json
 
 pytestmark = pytest.mark.slow
@@ -21,6 +21,15 @@ pytestmark = pytest.mark.slow
 def test_parse_args_repeatable_worker_address():
     args = parse_args(["--port", "9", "--worker-address", "127.0.0.1:1", "--worker-address", "unix:/tmp/x.sock"])
     assert args.port == 9 and args.worker_address == ["127.0.0.1:1", "unix:/tmp/x.sock"]
+
+
+def test_log_lines_are_json_objects_with_a_repr_for_other_values():
+    marker = object()
+    line = log_line_json({"event": "request", "status": 200, "ttft_ms": 1.5, "tenant": "ünï", "ids": (1, 2),
+                          "by_gen": {0: 1}, "obj": marker, "none": None})
+    assert "\n" not in line
+    assert json.loads(line) == {"event": "request", "status": 200, "ttft_ms": 1.5, "tenant": "ünï", "ids": [1, 2],
+                                "by_gen": {"0": 1}, "obj": repr(marker), "none": None}
 
 
 def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:

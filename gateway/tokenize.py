@@ -146,6 +146,8 @@ class Tokenizer:
     Attributes:
         eos_token_ids: token ids that end an answer (tokenizer EOS + generation config EOS), sent to workers.
         vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
+        byte_level: whether the decoder is byte-level BPE (GPT-2, Llama 3, SmolLM): then :meth:`decode` is the
+            UTF-8 decoding (errors replaced) of :meth:`byte_level_bytes`.
     """
 
     def __init__(self, hf_tokenizer: Any, num_threads: int = 2, generation_eos_ids: list[int] | None = None,
@@ -159,7 +161,12 @@ class Tokenizer:
         self._special_ids = frozenset(hf_tokenizer.all_special_ids)
         self.conversation_cache = TokenIdsCache(conversation_cache_tokens)
         self.segment_cache = TokenIdsCache(segment_cache_tokens)
-        self._added_token_ids = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+        added_tokens = self.backend.get_added_tokens_decoder()
+        self._added_token_ids = {t.content: i for i, t in added_tokens.items()}
+        # the ids decode() skips (skip_special_tokens): added tokens marked special
+        self._decode_skipped_ids = frozenset(i for i, t in added_tokens.items() if t.special)
+        self.byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        self._piece_bytes: dict[int, bytes] = {}
         self._splitter = _added_token_splitter(self.backend) if segment_cache_tokens > 0 else None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads),
                                                                thread_name_prefix="tokenizer")
@@ -240,6 +247,31 @@ class Tokenizer:
             match = _BYTE_FALLBACK_RE.match(piece)
             out.extend(bytes([int(match.group(1), 16)]) if match else piece.replace("\u2581", " ").encode())
         return bytes(out)
+
+    def byte_level_bytes(self, token_ids: list[int]) -> bytes:
+        """Return the bytes a byte-level decoder turns ``token_ids`` into before it decodes them as UTF-8 (special
+        tokens skipped, as :meth:`decode` does); each token's bytes are looked up once.
+
+        As ``tokenizers``' ``ByteLevel`` decoder: every char of the piece maps back to its byte, or, when one does
+        not, the piece is taken as UTF-8 text whole. Only meaningful when :attr:`byte_level` is true.
+        """
+        table = self._piece_bytes
+        pieces = []
+        for token_id in token_ids:
+            piece = table.get(token_id)
+            if piece is None:
+                piece = table[token_id] = self._byte_level_piece(token_id)
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def _byte_level_piece(self, token_id: int) -> bytes:
+        if token_id in self._decode_skipped_ids:
+            return b""
+        text = self.backend.id_to_token(token_id) or ""
+        char_to_byte = _byte_level_char_to_byte()
+        if all(ch in char_to_byte for ch in text):
+            return bytes(char_to_byte[ch] for ch in text)
+        return text.encode()
 
     def decode(self, token_ids: list[int]) -> str:
         """Decode token ids to text, skipping special tokens (EOS and chat markers)."""

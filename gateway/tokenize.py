@@ -199,30 +199,40 @@ class Tokenizer:
 
     def encode_segments_sync(self, text: str) -> list[int]:
         """Encode ``text`` without adding special tokens, piece by piece between added tokens, each piece through
-        the segment cache (the same ids as :meth:`encode_text_sync`; see the module docstring)."""
+        the segment cache (the same ids as :meth:`encode_text_sync`; see the module docstring). The pieces not
+        cached are encoded together, in one call."""
         if self._splitter is None:
             return self.encode_text_sync(text)
-        ids: list[int] = []
+        parts: list[str | int] = []  # text pieces and added-token ids, in order
         start = 0
         for match in self._splitter.finditer(text):
             if match.start() > start:
-                ids.extend(self._encode_segment(text[start:match.start()]))
-            ids.append(self._added_token_ids[match.group()])
+                parts.append(text[start:match.start()])
+            parts.append(self._added_token_ids[match.group()])
             start = match.end()
         if start < len(text):
-            ids.extend(self._encode_segment(text[start:]))
-        return ids
-
-    def _encode_segment(self, segment: str) -> tuple[int, ...]:
-        ids = self.segment_cache.get(segment)
-        if ids is None:
-            ids = tuple(self.encode_text_sync(segment))
-            self.segment_cache.put(segment, ids)
+            parts.append(text[start:])
+        cached = {part: self.segment_cache.get(part) for part in parts if isinstance(part, str)}
+        missing = [part for part, ids in cached.items() if ids is None]
+        if missing:
+            for part, encoding in zip(missing, self.backend.encode_batch_fast(missing, add_special_tokens=False)):
+                cached[part] = tuple(encoding.ids)
+                self.segment_cache.put(part, cached[part])
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(part, str):
+                ids.extend(cached[part])
+            else:
+                ids.append(part)
         return ids
 
     def encode_text_sync(self, text: str) -> list[int]:
-        """Encode plain text without adding special tokens."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Encode plain text without adding special tokens.
+
+        ``encode_batch_fast`` lets go of the GIL while it encodes (``encode`` holds it: the event loop would stall
+        for the whole encode) and computes no offsets.
+        """
+        return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def token_bytes(self, token_ids: list[int]) -> bytes:
         """Return the raw bytes that ``token_ids`` spell (special tokens contribute nothing).

@@ -3,8 +3,9 @@
 One ``sluice serve`` with ``--workers`` local **sim** workers (the roofline simulator, its steps shortened by
 ``--time-scale`` and ``max_num_seqs`` 128, so the workers are never the bottleneck) and admission on. Every request is
 the same shape: a streamed chat completion (``stream_options.include_usage``) with a fixed system prompt and an
-MT-Bench first-turn user prompt (80 distinct, cycled), ``max_tokens`` 8 with ``ignore_eos`` — 8 output tokens, a role
-chunk, 8 content chunks, a finish chunk, the usage chunk and ``[DONE]``.
+MT-Bench first-turn user prompt (80 distinct, cycled; ``--unique-prompts`` makes each one unique, so only the
+system prompt repeats), ``max_tokens`` 8 with ``ignore_eos`` — 8 output tokens, a role chunk, 8 content chunks, a
+finish chunk, the usage chunk and ``[DONE]``.
 
 The load client runs in ``--client-processes`` processes of its own (raw ``aiohttp``), so its CPU is not the
 gateway's and one client process is not the bottleneck.
@@ -108,13 +109,14 @@ async def _one_stream(session, url: str, body: bytes) -> tuple[str, float | None
 
 
 async def _run_phase(base_url: str, prompts: list[str], concurrency: int, num_requests: int,
-                     rate_rps: float | None, limit_s: float) -> dict:
+                     rate_rps: float | None, limit_s: float, unique_prompts: bool = False) -> dict:
     """Closed loop (``rate_rps`` None: ``concurrency`` clients) or open loop at ``rate_rps``; bounded by
     ``num_requests`` and ``limit_s``."""
     import aiohttp
 
     url = base_url + "/v1/chat/completions"
     bodies = [_body(p) for p in prompts]
+    nonce = os.urandom(4).hex()
     results: list[tuple[str, float | None, bool]] = []
     errors: list[str] = []
     connector = aiohttp.TCPConnector(limit=0 if rate_rps else concurrency, force_close=False)
@@ -122,7 +124,9 @@ async def _run_phase(base_url: str, prompts: list[str], concurrency: int, num_re
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def one(index: int) -> None:
             try:
-                results.append(await _one_stream(session, url, bodies[index % len(bodies)]))
+                body = (_body(f"{prompts[index % len(prompts)]} (request {nonce}-{index})") if unique_prompts
+                        else bodies[index % len(bodies)])
+                results.append(await _one_stream(session, url, body))
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 errors.append(type(exc).__name__)
 
@@ -165,7 +169,7 @@ def _client_process(conn, base_url: str, prompts: list[str], phase: dict) -> Non
 
 
 def run_client(base_url: str, prompts: list[str], num_processes: int, concurrency: int, num_requests: int,
-               rate_rps: float | None, limit_s: float) -> dict:
+               rate_rps: float | None, limit_s: float, unique_prompts: bool = False) -> dict:
     """Run one load phase in ``num_processes`` client processes (so the client's CPU is not the gateway's, and
     one client process is not the bottleneck), each with its share of the concurrency, requests and rate."""
     ctx = multiprocessing.get_context("spawn")
@@ -173,7 +177,8 @@ def run_client(base_url: str, prompts: list[str], num_processes: int, concurrenc
     for i in range(num_processes):
         share = dict(concurrency=max(1, concurrency // num_processes),
                      num_requests=num_requests // num_processes + (i < num_requests % num_processes),
-                     rate_rps=None if rate_rps is None else rate_rps / num_processes, limit_s=limit_s)
+                     rate_rps=None if rate_rps is None else rate_rps / num_processes, limit_s=limit_s,
+                     unique_prompts=unique_prompts)
         parent, child = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_client_process, args=(child, base_url, prompts[i:] + prompts[:i], share),
                               daemon=True)
@@ -275,6 +280,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="*", default=[100.0, 300.0])
     parser.add_argument("--open-s", type=float, default=10.0, help="seconds of each open-loop rate")
     parser.add_argument("--warmup-requests", type=int, default=200)
+    parser.add_argument("--unique-prompts", action="store_true",
+                        help="make every user prompt unique (no conversation-cache hits; the system prompt repeats)")
     parser.add_argument("--quick", action="store_true", help="short smoke run (300 closed, 3 s per rate)")
     parser.add_argument("--out", default="gateway", help="result name under bench/results/")
     parser.add_argument("--profile", default="", help="py-spy flame graph (SVG; collapsed stacks for .txt) of the "
@@ -293,9 +300,10 @@ def main() -> None:
         run_client(server.base_url, prompts, args.client_processes, concurrency=args.concurrency,
                    num_requests=args.warmup_requests, rate_rps=None, limit_s=60.0)
         plan = [("closed_loop", dict(concurrency=args.concurrency, num_requests=args.closed_requests,
-                                     rate_rps=None, limit_s=120.0))]
+                                     rate_rps=None, limit_s=120.0, unique_prompts=args.unique_prompts))]
         plan += [(f"open_loop_{rate:g}_rps", dict(concurrency=args.concurrency, num_requests=int(rate * args.open_s),
-                                                  rate_rps=rate, limit_s=args.open_s + 30.0))
+                                                  rate_rps=rate, limit_s=args.open_s + 30.0,
+                                                  unique_prompts=args.unique_prompts))
                  for rate in args.rates]
         idle_cpu_before_s = process_cpu_s(pid)
         time.sleep(IDLE_S)
@@ -317,7 +325,7 @@ def main() -> None:
     result = {
         "bench": "gateway",
         "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale,
-                   "concurrency": args.concurrency,
+                   "concurrency": args.concurrency, "unique_prompts": args.unique_prompts,
                    "closed_requests": args.closed_requests, "rates_rps": args.rates, "open_s": args.open_s,
                    "output_tokens": OUTPUT_TOKENS, "cpu_count": os.cpu_count(),
                    "load_avg_1m": round(os.getloadavg()[0], 2)},

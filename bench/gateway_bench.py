@@ -26,6 +26,8 @@ Per phase:
   received → first token), per request, from the gateway's request log line (``ttft_ms``, ``worker_ttft_ms``).
 - ``client_overhead_ms`` p50 / p99: the client's TTFT (request sent → first content chunk read) minus the same
   worker TTFT — also counts HTTP parsing before the handler, SSE writing and loopback both ways.
+- ``admission_queue_ms`` p50 / p99: the part of the overhead spent queued in admission (``queue_ms``), by design
+  when the workers' prefill backlog is full.
 - ``client_ttft_ms`` p50 / p99, ``achieved_rps``, errors.
 
 Result: JSON to ``bench/results/gateway.json``. Loopback only.
@@ -231,9 +233,11 @@ def _stats(values: list[float]) -> dict:
 def summarize(name: str, phase: dict, cpu_s: float, log_lines: dict[str, dict]) -> dict:
     """Turn a phase's client results, the gateway's CPU delta and its log lines into the phase's numbers."""
     ok = [r for r in phase["results"] if r[2]]
-    overhead_ms, client_overhead_ms, client_ttft_ms = [], [], []
+    overhead_ms, client_overhead_ms, client_ttft_ms, queue_ms = [], [], [], []
     for request_id, ttft_ms, _ in ok:
         record = log_lines.get(request_id, {})
+        if record.get("queue_ms") is not None:
+            queue_ms.append(record["queue_ms"])
         worker_ttft_ms = record.get("worker_ttft_ms")
         if ttft_ms is not None:
             client_ttft_ms.append(ttft_ms)
@@ -256,6 +260,7 @@ def summarize(name: str, phase: dict, cpu_s: float, log_lines: dict[str, dict]) 
         "overhead_ms": _stats(overhead_ms),
         "client_overhead_ms": _stats(client_overhead_ms),
         "client_ttft_ms": _stats(client_ttft_ms),
+        "admission_queue_ms": _stats(queue_ms),
     }
 
 

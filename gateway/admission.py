@@ -341,6 +341,7 @@ class AdmissionController:
         self._num_serving_at_last_pass = 0
         self._in_flight: dict[int, Ticket] = {}  # admitted, not yet released, by ticket id
         self._arrival_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per arrival
+        self._arrival_log_work_tokens = 0.0  # sum of the log's expected work tokens
         self._backlog_mark_s = clock()
         self._output_fraction = 1.0
         self._draining = False
@@ -809,8 +810,9 @@ class AdmissionController:
     def _record_arrival(self, ticket: Ticket) -> None:
         now_s = self._clock()
         self._arrival_log.append((now_s, ticket.expected_work_tokens))
+        self._arrival_log_work_tokens += ticket.expected_work_tokens
         while self._arrival_log and self._arrival_log[0][0] < now_s - self._admission.rate_window_s:
-            self._arrival_log.popleft()
+            self._arrival_log_work_tokens -= self._arrival_log.popleft()[1]
         if self.on_arrival is not None:
             self.on_arrival()
 
@@ -822,7 +824,23 @@ class AdmissionController:
         window_s = min(window_s, self._admission.rate_window_s)
         if window_s <= 0:
             return 0.0
-        return sum(work for at_s, work in self._arrival_log if at_s >= now_s - window_s) / window_s
+        cutoff_s = now_s - window_s
+        log = self._arrival_log
+        if not log or log[-1][0] < cutoff_s:
+            return 0.0
+        if window_s < self._admission.rate_window_s / 2:  # the newest few: sum them
+            work_tokens = 0.0
+            for at_s, work in reversed(log):
+                if at_s < cutoff_s:
+                    break
+                work_tokens += work
+            return work_tokens / window_s
+        work_tokens = self._arrival_log_work_tokens  # the whole log, less its oldest entries outside the window
+        for at_s, work in log:
+            if at_s >= cutoff_s:
+                break
+            work_tokens -= work
+        return max(0.0, work_tokens) / window_s
 
     def service_rate_per_worker_tokens_per_s(self) -> float | None:
         """Return the expected work tokens/s one serving worker drains: measured under backlog, else the workers'

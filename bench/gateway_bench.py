@@ -1,191 +1,345 @@
-"""Gateway CPU per streamed chat request, its own latency overhead, and the request rate one gateway process sustains.
+"""The gateway's own cost: CPU per streamed chat request, its TTFT overhead at fixed rates, and one process's ceiling.
 
-A real ``sluice serve`` with sim workers (the roofline simulator, fast enough never to be the bottleneck) answers
-streamed chat requests of 8 output tokens (``ignore_eos``, ``include_usage``):
+One ``sluice serve`` with ``--workers`` local **sim** workers (the roofline simulator, its steps shortened by
+``--time-scale`` and ``max_num_seqs`` 128, so the workers are never the bottleneck) and admission on. Every request is
+the same shape: a streamed chat completion (``stream_options.include_usage``) with a fixed system prompt and an
+MT-Bench first-turn user prompt (80 distinct, cycled; ``--unique-prompts`` makes each one unique, so only the
+system prompt repeats), ``max_tokens`` 8 with ``ignore_eos`` — 8 output tokens, a role chunk, 8 content chunks, a
+finish chunk, the usage chunk and ``[DONE]``.
 
-- closed loop: ``--concurrency`` clients (32) send ``--requests`` requests back to back; the achieved rate is the
-  saturation rate of the gateway process on this machine (client and gateway share its cores);
-- open loop: requests start at fixed rates (``--rates``, 100 and 300 requests/s) for ``--open-seconds`` each.
+The load client runs in ``--client-processes`` processes of its own (raw ``aiohttp``), so its CPU is not the
+gateway's and one client process is not the bottleneck.
+Phases, in one run, each bounded by a request count and a wall-clock limit:
 
-Per phase: gateway CPU ms per request = the gateway process's ``process_cpu_seconds_total`` delta (its ``/metrics``)
-÷ requests; overhead = gateway TTFT − worker TTFT per request, from the gateway's own log line of each request
-(``ttft_ms``, ``worker_ttft_ms``), p50 and p99; client TTFT p50/p99. Target: ≤ 0.5 ms CPU per request and overhead
-p99 ≤ 5 ms at 300 requests/s. Writes ``bench/results/gateway.json``.
+1. **closed loop**: ``--concurrency`` (32) clients back to back for ``--closed-requests`` (1000) requests. Its
+   throughput is the **saturation rate** of the one gateway process when the gateway's CPU use is near one core
+   (reported as ``gateway_cpu_utilisation``); ``cpu_bound_rps`` = 1000 ÷ CPU ms per request is the ceiling
+   the CPU cost alone allows.
+2. **open loop** at each of ``--rates`` (100 and 300 requests/s) for ``--open-s`` seconds: evenly spaced arrivals,
+   whatever the answers do.
 
-    python bench/gateway_bench.py [--requests 1000] [--concurrency 32] [--rates 100,300] [--open-seconds 10]
+Per phase:
+
+- ``gateway_cpu_ms_per_request``: the gateway process's CPU time (user + system, ``/proc/<pid>/stat``, the source of
+  ``process_cpu_seconds_total``; its worker processes are not counted) over the phase ÷ requests completed.
+- ``overhead_ms`` p50 / p99: the gateway's TTFT minus the worker's TTFT (``Delta.first_token_latency_ms``: Generate
+  received → first token), per request, from the gateway's request log line (``ttft_ms``, ``worker_ttft_ms``).
+- ``client_overhead_ms`` p50 / p99: the client's TTFT (request sent → first content chunk read) minus the same
+  worker TTFT — also counts HTTP parsing before the handler, SSE writing and loopback both ways.
+- ``admission_queue_ms`` p50 / p99: the part of the overhead spent queued in admission (``queue_ms``), by design
+  when the workers' prefill backlog is full.
+- ``client_ttft_ms`` p50 / p99, ``achieved_rps``, errors.
+
+Result: JSON to ``bench/results/gateway.json``. Loopback only.
+
+Run: ``.venv/bin/python -m bench.gateway_bench`` (about 1 minute; ``--quick`` for a 20-second smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import multiprocessing
 import os
-import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import aiohttp
+from bench.common import mt_bench_prompts, percentile, write_result
+from tests.support.server import SluiceProcess
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.common import percentile, write_result  # noqa: E402
-from tests.support.server import SluiceProcess  # noqa: E402
-
+MODEL = "SmolLM2-135M-Instruct"
 OUTPUT_TOKENS = 8
-TARGET_CPU_MS_PER_REQUEST = 0.5
-TARGET_OVERHEAD_P99_MS = 5.0
+IDLE_S = 2.0  # seconds of no load, to measure the gateway's background CPU (capacity reports, timers)
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and precisely."
 CONFIG = """
+[model]
+name = "{model}"
+
 [gateway]
 max_tokens_cap = 64
+default_max_tokens = 16
+tokenizer_threads = 1
 
 [worker]
-num_local_workers = {num_workers}
+num_local_workers = {workers}
 backend = "sim"
-max_num_seqs = 256
+max_num_seqs = 128
+max_num_batched_tokens = 8192
 capacity_interval_s = 0.25
+
+[sim]
+time_scale = {time_scale}
+
+[autoscale]
+enabled = false
 """
-_CPU_LINE = re.compile(rb"^process_cpu_seconds_total ([0-9.e+-]+)$", re.MULTILINE)
 
 
-async def gateway_cpu_s(session: aiohttp.ClientSession, base_url: str) -> float:
-    """Return the gateway process's CPU seconds so far (user + system), from its Prometheus ``/metrics``."""
-    async with session.get(base_url + "/metrics") as response:
-        match = _CPU_LINE.search(await response.read())
-    if match is None:
-        raise RuntimeError("process_cpu_seconds_total missing from /metrics")
-    return float(match.group(1))
+def _body(prompt: str) -> bytes:
+    return json.dumps({
+        "model": MODEL, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
+    }).encode()
 
 
-async def one_request(session: aiohttp.ClientSession, base_url: str, body: dict) -> tuple[str, float | None]:
-    """Send one streamed chat request; return (request id, client TTFT in ms, None when no text came)."""
-    started_s = time.perf_counter()
+# ---------------------------------------------------------------------- the load client (its own process)
+
+
+async def _one_stream(session, url: str, body: bytes) -> tuple[str, float | None, bool]:
+    """Send one streamed request; return (request id, client TTFT in ms or None, ok)."""
+    start_s = time.perf_counter()
     ttft_ms = None
-    async with session.post(base_url + "/v1/chat/completions", json=body) as response:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
         request_id = response.headers.get("x-request-id", "")
         if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            await response.read()
+            return request_id, None, False
+        done = False
         async for line in response.content:
-            is_text = line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line
-            if ttft_ms is None and is_text:
-                ttft_ms = (time.perf_counter() - started_s) * 1000
-    return request_id, ttft_ms
+            if ttft_ms is None and line.startswith(b'data: {"id"') and b'"content":"' in line \
+                    and b'"content":""' not in line:
+                ttft_ms = (time.perf_counter() - start_s) * 1000.0
+            if line.startswith(b"data: [DONE]"):
+                done = True
+    return request_id, ttft_ms, done
 
 
-async def closed_loop(session: aiohttp.ClientSession, base_url: str, body: dict, num_requests: int,
-                      concurrency: int) -> list[tuple[str, float | None]]:
-    """Run ``num_requests`` requests with ``concurrency`` clients back to back."""
-    results: list[tuple[str, float | None]] = []
-    remaining = iter(range(num_requests))
+async def _run_phase(base_url: str, prompts: list[str], concurrency: int, num_requests: int,
+                     rate_rps: float | None, limit_s: float, unique_prompts: bool = False) -> dict:
+    """Closed loop (``rate_rps`` None: ``concurrency`` clients) or open loop at ``rate_rps``; bounded by
+    ``num_requests`` and ``limit_s``."""
+    import aiohttp
 
-    async def client() -> None:
-        for _ in remaining:
-            results.append(await one_request(session, base_url, body))
+    url = base_url + "/v1/chat/completions"
+    bodies = [_body(p) for p in prompts]
+    nonce = os.urandom(4).hex()
+    results: list[tuple[str, float | None, bool]] = []
+    errors: list[str] = []
+    connector = aiohttp.TCPConnector(limit=0 if rate_rps else concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def one(index: int) -> None:
+            try:
+                body = (_body(f"{prompts[index % len(prompts)]} (request {nonce}-{index})") if unique_prompts
+                        else bodies[index % len(bodies)])
+                results.append(await _one_stream(session, url, body))
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                errors.append(type(exc).__name__)
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results
+        start_s = time.perf_counter()
+        deadline_s = start_s + limit_s
+        if rate_rps is None:
+            counter = iter(range(num_requests))
+
+            async def client() -> None:
+                for index in counter:
+                    if time.perf_counter() > deadline_s:
+                        return
+                    await one(index)
+
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        else:
+            tasks = []
+            for index in range(num_requests):
+                due_s = start_s + index / rate_rps
+                if due_s > deadline_s:
+                    break
+                delay_s = due_s - time.perf_counter()
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                tasks.append(asyncio.create_task(one(index)))
+            await asyncio.gather(*tasks)
+        wall_s = time.perf_counter() - start_s
+    return {"results": results, "errors": errors, "wall_s": wall_s}
 
 
-async def open_loop(session: aiohttp.ClientSession, base_url: str, body: dict, rate_per_s: float,
-                    duration_s: float) -> list[tuple[str, float | None]]:
-    """Start requests at ``rate_per_s`` for ``duration_s`` seconds, whatever the earlier ones do."""
-    tasks = []
-    started_s = time.perf_counter()
-    num_requests = int(rate_per_s * duration_s)
-    for i in range(num_requests):
-        delay_s = started_s + i / rate_per_s - time.perf_counter()
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
-        tasks.append(asyncio.create_task(one_request(session, base_url, body)))
-    return list(await asyncio.gather(*tasks))
+def _client_process(conn, base_url: str, prompts: list[str], phase: dict) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    conn.send(asyncio.run(_run_phase(base_url, prompts, **phase)))
+    conn.close()
 
 
-def overheads_ms(server: SluiceProcess, request_ids: set[str]) -> list[float]:
-    """Return gateway TTFT − worker TTFT in ms of the requests ``request_ids``, from the gateway's log lines."""
-    out = []
-    for event in server.log_events("request"):
-        if (event.get("event") == "request" and event.get("request_id") in request_ids
-                and event.get("ttft_ms") is not None and event.get("worker_ttft_ms") is not None):
-            out.append(event["ttft_ms"] - event["worker_ttft_ms"])
-    return out
+def run_client(base_url: str, prompts: list[str], num_processes: int, concurrency: int, num_requests: int,
+               rate_rps: float | None, limit_s: float, unique_prompts: bool = False) -> dict:
+    """Run one load phase in ``num_processes`` client processes (so the client's CPU is not the gateway's, and
+    one client process is not the bottleneck), each with its share of the concurrency, requests and rate."""
+    ctx = multiprocessing.get_context("spawn")
+    processes, pipes = [], []
+    for i in range(num_processes):
+        share = dict(concurrency=max(1, concurrency // num_processes),
+                     num_requests=num_requests // num_processes + (i < num_requests % num_processes),
+                     rate_rps=None if rate_rps is None else rate_rps / num_processes, limit_s=limit_s,
+                     unique_prompts=unique_prompts)
+        parent, child = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_client_process, args=(child, base_url, prompts[i:] + prompts[:i], share),
+                              daemon=True)
+        process.start()
+        processes.append(process)
+        pipes.append(parent)
+    merged: dict = {"results": [], "errors": [], "wall_s": 0.0}
+    try:
+        for parent in pipes:
+            part = parent.recv()
+            merged["results"] += part["results"]
+            merged["errors"] += part["errors"]
+            merged["wall_s"] = max(merged["wall_s"], part["wall_s"])
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return merged
 
 
-async def run_phase(name: str, server: SluiceProcess, session: aiohttp.ClientSession, body: dict, runner) -> dict:
-    """Run one phase; return its requests, rate, CPU per request, TTFT and overhead percentiles."""
-    cpu_before_s = await gateway_cpu_s(session, server.base_url)
-    started_s = time.perf_counter()
-    results = await runner()
-    wall_s = time.perf_counter() - started_s
-    cpu_s = await gateway_cpu_s(session, server.base_url) - cpu_before_s
-    await asyncio.sleep(0.5)  # the log lines of the last requests reach the file
-    ttfts = [ttft for _, ttft in results if ttft is not None]
-    overheads = overheads_ms(server, {request_id for request_id, _ in results})
-    phase = {
-        "requests": len(results),
-        "wall_s": round(wall_s, 3),
-        "requests_per_s": round(len(results) / wall_s, 1),
+# ---------------------------------------------------------------------- measurement
+
+
+def process_cpu_s(pid: int) -> float:
+    """Return the CPU seconds (user + system) process ``pid`` has used, from ``/proc/<pid>/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def request_log(log_path: Path) -> dict[str, dict]:
+    """Return the gateway's ``request`` log lines (structlog JSON) by request id."""
+    lines: dict[str, dict] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"event": "request"' not in line and '"event":"request"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("request_id"):
+            lines[record["request_id"]] = record
+    return lines
+
+
+def _stats(values: list[float]) -> dict:
+    return {"p50": round(percentile(values, 50), 3), "p99": round(percentile(values, 99), 3), "n": len(values)}
+
+
+def summarize(name: str, phase: dict, cpu_s: float, log_lines: dict[str, dict]) -> dict:
+    """Turn a phase's client results, the gateway's CPU delta and its log lines into the phase's numbers."""
+    ok = [r for r in phase["results"] if r[2]]
+    overhead_ms, client_overhead_ms, client_ttft_ms, queue_ms = [], [], [], []
+    for request_id, ttft_ms, _ in ok:
+        record = log_lines.get(request_id, {})
+        if record.get("queue_ms") is not None:
+            queue_ms.append(record["queue_ms"])
+        worker_ttft_ms = record.get("worker_ttft_ms")
+        if ttft_ms is not None:
+            client_ttft_ms.append(ttft_ms)
+        if worker_ttft_ms is None:
+            continue
+        if record.get("ttft_ms") is not None:
+            overhead_ms.append(record["ttft_ms"] - worker_ttft_ms)
+        if ttft_ms is not None:
+            client_overhead_ms.append(ttft_ms - worker_ttft_ms)
+    num_done = len(phase["results"])
+    return {
+        "phase": name,
+        "requests_ok": len(ok),
+        "requests_failed": num_done - len(ok) + len(phase["errors"]),
+        "wall_s": round(phase["wall_s"], 3),
+        "achieved_rps": round(len(ok) / phase["wall_s"], 1),
         "gateway_cpu_s": round(cpu_s, 3),
-        "cpu_ms_per_request": round(cpu_s * 1000 / len(results), 3),
-        "client_ttft_ms_p50": round(percentile(ttfts, 50), 2),
-        "client_ttft_ms_p99": round(percentile(ttfts, 99), 2),
-        "overhead_ms_p50": round(percentile(overheads, 50), 2),
-        "overhead_ms_p99": round(percentile(overheads, 99), 2),
-        "overhead_samples": len(overheads),
+        "gateway_cpu_ms_per_request": round(cpu_s * 1000 / max(1, num_done), 3),
+        "gateway_cpu_utilisation": round(cpu_s / phase["wall_s"], 3),
+        "overhead_ms": _stats(overhead_ms),
+        "client_overhead_ms": _stats(client_overhead_ms),
+        "client_ttft_ms": _stats(client_ttft_ms),
+        "admission_queue_ms": _stats(queue_ms),
     }
-    print(name, phase, flush=True)
-    return phase
 
 
-async def bench(args: argparse.Namespace, server: SluiceProcess) -> dict:
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        async with session.get(server.base_url + "/v1/models") as response:
-            model = (await response.json())["data"][0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-                "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        await closed_loop(session, server.base_url, body, 50, 8)  # warm-up: connections, tokenizer cache
-        phases = {f"closed_{args.concurrency}": await run_phase(
-            "closed", server, session, body,
-            lambda: closed_loop(session, server.base_url, body, args.requests, args.concurrency))}
-        for rate in args.rates:
-            phases[f"open_{rate:g}_per_s"] = await run_phase(
-                f"open {rate:g}/s", server, session, body,
-                lambda rate=rate: open_loop(session, server.base_url, body, rate, args.open_seconds))
-    return phases
+def _start_py_spy(pid: int, svg_path: str) -> subprocess.Popen:
+    """Sample ``pid`` with py-spy (``pip install py-spy``) until SIGINT: a flame graph, or collapsed stacks when
+    ``svg_path`` ends in ``.txt``."""
+    py_spy = str(Path(sys.executable).parent / "py-spy")
+    output_format = "raw" if svg_path.endswith(".txt") else "flamegraph"
+    spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--output", svg_path, "--format", output_format,
+                            "--rate", "250", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    return spy
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--rates", default="100,300", help="open-loop rates, requests/s, comma-separated")
-    parser.add_argument("--open-seconds", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=2, help="local sim workers")
-    parser.add_argument("--out", default="gateway")
+    parser.add_argument("--time-scale", type=float, default=0.2, help="sim.time_scale (shorter simulated steps)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--client-processes", type=int, default=2, help="load client processes")
+    parser.add_argument("--closed-requests", type=int, default=1000)
+    parser.add_argument("--rates", type=float, nargs="*", default=[100.0, 300.0])
+    parser.add_argument("--open-s", type=float, default=10.0, help="seconds of each open-loop rate")
+    parser.add_argument("--warmup-requests", type=int, default=200)
+    parser.add_argument("--unique-prompts", action="store_true",
+                        help="make every user prompt unique (no conversation-cache hits; the system prompt repeats)")
+    parser.add_argument("--quick", action="store_true", help="short smoke run (300 closed, 3 s per rate)")
+    parser.add_argument("--out", default="gateway", help="result name under bench/results/")
+    parser.add_argument("--profile", default="", help="py-spy flame graph (SVG; collapsed stacks for .txt) of the "
+                        "gateway during one phase")
+    parser.add_argument("--profile-phase", default="closed_loop", help="the phase --profile samples")
     args = parser.parse_args()
-    args.rates = [float(r) for r in args.rates.split(",") if r]
-    with SluiceProcess(CONFIG.format(num_workers=args.workers), min_ready_workers=args.workers,
-                       start_timeout_s=300) as server:
-        phases = asyncio.run(bench(args, server))
-    closed = phases[f"closed_{args.concurrency}"]
-    worst_cpu_ms = max(phase["cpu_ms_per_request"] for phase in phases.values())
+    if args.quick:
+        args.closed_requests, args.open_s, args.warmup_requests = 300, 3.0, 50
+
+    prompts = mt_bench_prompts(80)
+    config = CONFIG.format(model=MODEL, workers=args.workers, time_scale=args.time_scale)
+    phases = []
+    with SluiceProcess(config, min_ready_workers=args.workers) as server:
+        pid = server.process.pid
+        run_client(server.base_url, prompts, args.client_processes, concurrency=args.concurrency,
+                   num_requests=args.warmup_requests, rate_rps=None, limit_s=60.0)
+        plan = [("closed_loop", dict(concurrency=args.concurrency, num_requests=args.closed_requests,
+                                     rate_rps=None, limit_s=120.0, unique_prompts=args.unique_prompts))]
+        plan += [(f"open_loop_{rate:g}_rps", dict(concurrency=args.concurrency, num_requests=int(rate * args.open_s),
+                                                  rate_rps=rate, limit_s=args.open_s + 30.0,
+                                                  unique_prompts=args.unique_prompts))
+                 for rate in args.rates]
+        idle_cpu_before_s = process_cpu_s(pid)
+        time.sleep(IDLE_S)
+        idle_cpu_ms_per_s = (process_cpu_s(pid) - idle_cpu_before_s) * 1000 / IDLE_S
+        for name, phase_args in plan:
+            time.sleep(0.5)
+            spy = _start_py_spy(pid, args.profile) if args.profile and name == args.profile_phase else None
+            cpu_before_s = process_cpu_s(pid)
+            phase = run_client(server.base_url, prompts, args.client_processes, **phase_args)
+            cpu_s = process_cpu_s(pid) - cpu_before_s
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+            time.sleep(0.3)  # the last log lines are flushed
+            phases.append(summarize(name, phase, cpu_s, request_log(server.log_path)))
+            print(json.dumps(phases[-1]), flush=True)
+    closed = phases[0]
+    cpu_ms = closed["gateway_cpu_ms_per_request"]
     result = {
-        "what": "gateway CPU per streamed chat request (8 output tokens, sim workers), overhead = gateway TTFT - "
-                "worker TTFT from the gateway's request log",
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
-        "num_sim_workers": args.workers,
+        "bench": "gateway",
+        "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale,
+                   "concurrency": args.concurrency, "unique_prompts": args.unique_prompts,
+                   "closed_requests": args.closed_requests, "rates_rps": args.rates, "open_s": args.open_s,
+                   "output_tokens": OUTPUT_TOKENS, "cpu_count": os.cpu_count(),
+                   "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "gateway_cpu_ms_per_request": cpu_ms,
+        "saturation_rps": closed["achieved_rps"],
+        "cpu_bound_rps": round(1000.0 / cpu_ms, 1) if cpu_ms > 0 else None,
+        "idle_gateway_cpu_ms_per_s": round(idle_cpu_ms_per_s, 2),
         "phases": phases,
-        "saturation_requests_per_s": closed["requests_per_s"],
-        "cpu_bound_requests_per_s": round(1000 / worst_cpu_ms, 1) if worst_cpu_ms > 0 else None,
-        "target_cpu_ms_per_request": TARGET_CPU_MS_PER_REQUEST,
-        "meets_cpu_target": worst_cpu_ms <= TARGET_CPU_MS_PER_REQUEST,
-        "target_overhead_p99_ms_at_300_per_s": TARGET_OVERHEAD_P99_MS,
     }
     write_result(args.out, result)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

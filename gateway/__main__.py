@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 import time
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -54,13 +56,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+_LOG_ENCODER = msgspec.json.Encoder(enc_hook=repr)
+
+
+def log_line_json(event_dict: dict, **_: object) -> str:
+    """Return a log event as one compact JSON object (msgspec; about 10x faster than ``json.dumps`` on a request
+    line); a value JSON cannot hold is written as its ``repr``."""
+    try:
+        return _LOG_ENCODER.encode(event_dict).decode()
+    except (TypeError, msgspec.EncodeError):  # e.g. a dict with keys that are not strings
+        return json.dumps(event_dict, default=repr)
+
+
 def configure_logging() -> None:
     """structlog JSON lines on stderr (one per request; never prompt text)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     structlog.configure(
         processors=[structlog.processors.TimeStamper(fmt="iso"), structlog.processors.add_log_level,
-                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer(serializer=log_line_json)],
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
     )
 
 

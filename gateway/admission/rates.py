@@ -39,6 +39,7 @@ class ServiceRates:
         self._last_backlog_rate_tokens_per_s: float | None = None  # per serving worker, the last one measured
         self._num_serving_at_last_pass = 0
         self._arrival_log: deque[tuple[float, float]] = deque()  # (time s, expected work tokens) per arrival
+        self._arrival_log_work_tokens = 0.0  # sum of the log's expected work tokens
         self._backlog_mark_s = clock()
         self.output_fraction = 1.0  # running mean of completion tokens ÷ max_tokens
 
@@ -48,8 +49,9 @@ class ServiceRates:
         """Log an arrival of ``work_tokens`` expected work tokens (the offered load)."""
         now_s = self._clock()
         self._arrival_log.append((now_s, work_tokens))
+        self._arrival_log_work_tokens += work_tokens
         while self._arrival_log and self._arrival_log[0][0] < now_s - self._window_s:
-            self._arrival_log.popleft()
+            self._arrival_log_work_tokens -= self._arrival_log.popleft()[1]
 
     def record_output(self, completion_tokens: int, max_tokens: int) -> None:
         """Fold a finished request's share of its ``max_tokens`` into :attr:`output_fraction`."""
@@ -98,7 +100,23 @@ class ServiceRates:
         window_s = min(window_s, self._window_s)
         if window_s <= 0:
             return 0.0
-        return sum(work for at_s, work in self._arrival_log if at_s >= now_s - window_s) / window_s
+        cutoff_s = now_s - window_s
+        log = self._arrival_log
+        if not log or log[-1][0] < cutoff_s:
+            return 0.0
+        if window_s < self._window_s / 2:  # the newest few: sum them
+            work_tokens = 0.0
+            for at_s, work in reversed(log):
+                if at_s < cutoff_s:
+                    break
+                work_tokens += work
+            return work_tokens / window_s
+        work_tokens = self._arrival_log_work_tokens  # the whole log, less its oldest entries outside the window
+        for at_s, work in log:
+            if at_s >= cutoff_s:
+                break
+            work_tokens -= work
+        return max(0.0, work_tokens) / window_s
 
     def backlog_rate_tokens_per_s(self) -> float | None:
         """Return the measured service rate per serving worker under backlog, expected work tokens/s: over the

@@ -110,24 +110,29 @@ async def _stream(request: web.Request, plan: Plan, include_usage: bool) -> web.
         "x-request-id": request[REQUEST_ID],
         **_queue_header(plan),
     })
+    response._send_headers_immediately = False  # aiohttp: the headers leave with the first chunk, in one send
     await response.prepare(request)
     request[REQUEST_LOG]["outcome"] = "client_disconnected"
-    if plan.kind == "chat":
-        await response.write(b"".join(chunks.role(c.index) for c in generation.choices))
+    # Events that are ready together leave in one write (one send): the role chunks with the first text, the last
+    # text with its finish chunk, the usage chunk, [DONE] and the end of the chunked body.
+    pending: list[bytes] = [chunks.role(c.index) for c in generation.choices] if plan.kind == "chat" else []
     event = first_event
     try:
         while event is not None:
             if isinstance(event, TextEvent):
-                await response.write(chunks.text(event.index, event.text))
+                pending.append(chunks.text(event.index, event.text))
             else:
-                await response.write(chunks.finish(event.index, event.finish_reason))
+                pending.append(chunks.finish(event.index, event.finish_reason))
+            if not generation.has_event():
+                await response.write(b"".join(pending))
+                pending.clear()
             event = await generation.next_event()
         if include_usage:
-            await response.write(chunks.usage(generation.usage().to_dict()))
+            pending.append(chunks.usage(generation.usage().to_dict()))
         request[REQUEST_LOG]["outcome"] = "ok"
     except SluiceError as exc:
         request[REQUEST_LOG].update(outcome="error_in_band", error_code=exc.code.value)
-        await response.write(sse_error_event(exc))
-    await response.write(DONE_EVENT)
-    await response.write_eof()
+        pending.append(sse_error_event(exc))
+    pending.append(DONE_EVENT)
+    await response.write_eof(b"".join(pending))
     return response

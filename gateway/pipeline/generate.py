@@ -227,6 +227,10 @@ class Generation:
         for task in self._tasks:
             task.cancel()
 
+    def has_event(self) -> bool:
+        """Return whether :meth:`next_event` would return without waiting (an event is queued, or all finished)."""
+        return self._num_finished == len(self.choices) or not self._events.empty()
+
     async def next_event(self) -> TextEvent | FinishEvent | None:
         """Return the next :class:`TextEvent` / :class:`FinishEvent`, or None once every choice finished.
 

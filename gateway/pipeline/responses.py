@@ -36,6 +36,13 @@ def sse_error_event(error: SluiceError) -> bytes:
 class ChunkFactory:
     """Build the stream chunks of one request (all share ``id``, ``created`` and ``model``).
 
+    Every chunk is a byte template filled in: the fields shared by the request's chunks are encoded once, at
+    construction, and per chunk only the text (a JSON string, ``msgspec``) and the choice index are encoded. The
+    bytes are those of encoding the whole chunk object with ``msgspec.json`` (compact, keys in this order)::
+
+        data: {"id":…,"object":…,"created":…,"model":…,"choices":[{"index":i,"delta":{"content":"…"},
+               "logprobs":null,"finish_reason":null}]}\n\n
+
     Args:
         kind: ``chat`` or ``completion``.
         response_id: ``chatcmpl-…`` / ``cmpl-…``.
@@ -49,37 +56,38 @@ class ChunkFactory:
         self.created_s = created_s
         self.model = model
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        encode = _json_encoder.encode
+        self._head = (b'data: {"id":' + encode(response_id) + b',"object":' + encode(self.object)
+                      + b',"created":' + encode(created_s) + b',"model":' + encode(model) + b',"choices":[')
+        self._text_field = b',"delta":{"content":' if kind == "chat" else b',"text":'
+        self._text_tail = (b'},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat"
+                           else b',"logprobs":null,"finish_reason":null}]}\n\n')
+        self._text_heads: dict[int, bytes] = {}
 
-    def _chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.response_id, "object": self.object, "created": self.created_s, "model": self.model,
-                "choices": choices}
+    def _choice_head(self, index: int) -> bytes:
+        return self._head + b'{"index":' + str(index).encode()
 
     def role(self, index: int) -> bytes:
         """Return the first chunk of a chat choice: the assistant role with empty content."""
-        return sse_event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]))
+        return (self._choice_head(index)
+                + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
 
     def text(self, index: int, text: str) -> bytes:
         """Return a chunk carrying new text of one choice (finish_reason null)."""
-        if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
-        return sse_event(self._chunk([choice]))
+        head = self._text_heads.get(index)
+        if head is None:
+            head = self._text_heads[index] = self._choice_head(index) + self._text_field
+        return head + _json_encoder.encode(text) + self._text_tail
 
     def finish(self, index: int, finish_reason: str) -> bytes:
         """Return the last chunk of a choice: no new text, its finish_reason."""
-        if self.kind == "chat":
-            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
-        return sse_event(self._chunk([choice]))
+        empty = b',"delta":{}' if self.kind == "chat" else b',"text":""'
+        return (self._choice_head(index) + empty + b',"logprobs":null,"finish_reason":'
+                + _json_encoder.encode(finish_reason) + b"}]}\n\n")
 
     def usage(self, usage: dict) -> bytes:
         """Return the usage chunk (``choices: []``), sent once before ``[DONE]`` when include_usage is set."""
-        chunk = self._chunk([])
-        chunk["usage"] = usage
-        return sse_event(chunk)
+        return self._head + b'],"usage":' + _json_encoder.encode(usage) + b"}\n\n"
 
 
 def chat_completion(response_id: str, created_s: int, model: str, texts: list[str], finish_reasons: list[str],

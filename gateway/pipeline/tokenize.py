@@ -4,15 +4,29 @@ The tokenizer comes from the same path as the model: a GGUF file (``AutoTokenize
 gguf_file=name)``) or a Hugging Face folder. The chat template is rendered to text and the text encoded with the
 Rust ``tokenizers.Tokenizer`` (``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)`` does);
 encoding and decoding with it are thread-safe, unlike the Python wrapper's padding/truncation state.
+
+Repeated input is tokenized once. Two LRU caches, each bounded by the number of token ids it holds:
+
+- conversations: the messages (roles and contents) → prompt ids; a hit is answered on the event loop, with no
+  template rendering, no encoding and no hop to the thread pool;
+- segments: the rendered text is cut at every added token (``<|im_start|>``, ``<|im_end|>`` …) and each piece
+  between two of them is encoded once, so a system prompt or an earlier turn that repeats inside a new
+  conversation is not encoded again. The tokenizer itself splits the text at added tokens before normalizing,
+  pre-tokenizing and running the model on each piece, so the ids are the same as encoding the whole text; the cut
+  is used only when no added token strips neighbouring whitespace, matches single words or is normalized
+  (otherwise the whole text is encoded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import os
 import re
+import threading
+from collections.abc import Hashable
 from typing import Any
 
 from shared.errors import ErrorCode, SluiceError
@@ -56,26 +70,104 @@ def _byte_level_char_to_byte() -> dict[str, int]:
     return {chr(code): byte for byte, code in zip(byte_values, char_codes)}
 
 
+# Bounds of the caches, in token ids held (about 40 bytes each with the key text): a few MB.
+CONVERSATION_CACHE_TOKENS = 262144
+SEGMENT_CACHE_TOKENS = 262144
+
+
+class TokenIdsCache:
+    """A least-recently-used map of hashable keys to token ids, bounded by the total number of ids it holds.
+
+    Safe to share between the tokenizer threads and the event loop (one short lock per call).
+
+    Args:
+        max_token_ids: most token ids held over all entries; an entry longer than this is not cached.
+    """
+
+    def __init__(self, max_token_ids: int) -> None:
+        self.max_token_ids = max_token_ids
+        self.num_token_ids = 0
+        self._entries: collections.OrderedDict[Hashable, tuple[int, ...]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable) -> tuple[int, ...] | None:
+        """Return the ids cached for ``key`` (marking them recently used), or None."""
+        with self._lock:
+            ids = self._entries.get(key)
+            if ids is not None:
+                self._entries.move_to_end(key)
+            return ids
+
+    def put(self, key: Hashable, ids: tuple[int, ...]) -> None:
+        """Cache ``ids`` under ``key``, evicting the least recently used entries beyond ``max_token_ids``."""
+        if len(ids) > self.max_token_ids:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.num_token_ids -= len(old)
+            self._entries[key] = ids
+            self.num_token_ids += len(ids)
+            while self.num_token_ids > self.max_token_ids:
+                _, evicted = self._entries.popitem(last=False)
+                self.num_token_ids -= len(evicted)
+
+
+def _added_token_splitter(backend: Any) -> re.Pattern[str] | None:
+    """Return a pattern matching the backend's added tokens (longest first, as the tokenizer matches them), or
+    None when cutting the text at them could change the ids (an added token that strips whitespace, matches single
+    words only or is matched after normalization)."""
+    added = backend.get_added_tokens_decoder().values()
+    if not added:
+        return None
+    if any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added):
+        return None
+    contents = sorted({t.content for t in added}, key=len, reverse=True)
+    return re.compile("|".join(re.escape(c) for c in contents))
+
+
+def _conversation_key(messages: list[dict[str, str]]) -> tuple:
+    return tuple(tuple(m.items()) for m in messages)
+
+
 class Tokenizer:
-    """The served model's tokenizer with async, thread-pooled encoding.
+    """The served model's tokenizer with async, thread-pooled encoding and caches of repeated input.
 
     Args:
         hf_tokenizer: a ``transformers`` tokenizer with a ``backend_tokenizer`` (fast tokenizer).
         num_threads: size of the encoding thread pool.
         generation_eos_ids: extra EOS ids from the model's generation config.
+        conversation_cache_tokens: bound of the conversation cache in token ids (0 = off).
+        segment_cache_tokens: bound of the segment cache in token ids (0 = off).
 
     Attributes:
         eos_token_ids: token ids that end an answer (tokenizer EOS + generation config EOS), sent to workers.
         vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
+        byte_level: whether the decoder is byte-level BPE (GPT-2, Llama 3, SmolLM): then :meth:`decode` is the
+            UTF-8 decoding (errors replaced) of :meth:`byte_level_bytes`.
     """
 
-    def __init__(self, hf_tokenizer: Any, num_threads: int = 2, generation_eos_ids: list[int] | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any, num_threads: int = 2, generation_eos_ids: list[int] | None = None,
+                 conversation_cache_tokens: int = CONVERSATION_CACHE_TOKENS,
+                 segment_cache_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
         self.hf = hf_tokenizer
         self.backend = hf_tokenizer.backend_tokenizer
         eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
         self.eos_token_ids = sorted(set(eos) | set(generation_eos_ids or []))
         self.vocab_size = len(hf_tokenizer)
         self._special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self.conversation_cache = TokenIdsCache(conversation_cache_tokens)
+        self.segment_cache = TokenIdsCache(segment_cache_tokens)
+        added_tokens = self.backend.get_added_tokens_decoder()
+        self._added_token_ids = {t.content: i for i, t in added_tokens.items()}
+        # the ids decode() skips (skip_special_tokens): added tokens marked special
+        self._decode_skipped_ids = frozenset(i for i, t in added_tokens.items() if t.special)
+        self.byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        self._piece_bytes: dict[int, bytes] = {}
+        self._splitter = _added_token_splitter(self.backend) if segment_cache_tokens > 0 else None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads),
                                                                thread_name_prefix="tokenizer")
 
@@ -103,11 +195,44 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise SluiceError(ErrorCode.INVALID_VALUE, f"the chat template rejected the messages: {exc}",
                               param="messages") from None
-        return self.encode_text_sync(text)
+        return self.encode_segments_sync(text)
+
+    def encode_segments_sync(self, text: str) -> list[int]:
+        """Encode ``text`` without adding special tokens, piece by piece between added tokens, each piece through
+        the segment cache (the same ids as :meth:`encode_text_sync`; see the module docstring). The pieces not
+        cached are encoded together, in one call."""
+        if self._splitter is None:
+            return self.encode_text_sync(text)
+        parts: list[str | int] = []  # text pieces and added-token ids, in order
+        start = 0
+        for match in self._splitter.finditer(text):
+            if match.start() > start:
+                parts.append(text[start:match.start()])
+            parts.append(self._added_token_ids[match.group()])
+            start = match.end()
+        if start < len(text):
+            parts.append(text[start:])
+        cached = {part: self.segment_cache.get(part) for part in parts if isinstance(part, str)}
+        missing = [part for part, ids in cached.items() if ids is None]
+        if missing:
+            for part, encoding in zip(missing, self.backend.encode_batch_fast(missing, add_special_tokens=False)):
+                cached[part] = tuple(encoding.ids)
+                self.segment_cache.put(part, cached[part])
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(part, str):
+                ids.extend(cached[part])
+            else:
+                ids.append(part)
+        return ids
 
     def encode_text_sync(self, text: str) -> list[int]:
-        """Encode plain text without adding special tokens."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Encode plain text without adding special tokens.
+
+        ``encode_batch_fast`` lets go of the GIL while it encodes (``encode`` holds it: the event loop would stall
+        for the whole encode) and computes no offsets.
+        """
+        return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def token_bytes(self, token_ids: list[int]) -> bytes:
         """Return the raw bytes that ``token_ids`` spell (special tokens contribute nothing).
@@ -133,6 +258,31 @@ class Tokenizer:
             out.extend(bytes([int(match.group(1), 16)]) if match else piece.replace("\u2581", " ").encode())
         return bytes(out)
 
+    def byte_level_bytes(self, token_ids: list[int]) -> bytes:
+        """Return the bytes a byte-level decoder turns ``token_ids`` into before it decodes them as UTF-8 (special
+        tokens skipped, as :meth:`decode` does); each token's bytes are looked up once.
+
+        As ``tokenizers``' ``ByteLevel`` decoder: every char of the piece maps back to its byte, or, when one does
+        not, the piece is taken as UTF-8 text whole. Only meaningful when :attr:`byte_level` is true.
+        """
+        table = self._piece_bytes
+        pieces = []
+        for token_id in token_ids:
+            piece = table.get(token_id)
+            if piece is None:
+                piece = table[token_id] = self._byte_level_piece(token_id)
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def _byte_level_piece(self, token_id: int) -> bytes:
+        if token_id in self._decode_skipped_ids:
+            return b""
+        text = self.backend.id_to_token(token_id) or ""
+        char_to_byte = _byte_level_char_to_byte()
+        if all(ch in char_to_byte for ch in text):
+            return bytes(char_to_byte[ch] for ch in text)
+        return text.encode()
+
     def decode(self, token_ids: list[int]) -> str:
         """Decode token ids to text, skipping special tokens (EOS and chat markers)."""
         return self.backend.decode(token_ids, skip_special_tokens=True)
@@ -140,9 +290,19 @@ class Tokenizer:
     # ------------------------------------------------------------------ async
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Async :meth:`encode_chat_sync` in the tokenizer pool."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.encode_chat_sync, messages)
+        """Async :meth:`encode_chat_sync` in the tokenizer pool; a conversation seen before is answered from the
+        conversation cache without leaving the event loop.
+
+        Returns:
+            The prompt ids: a new list the caller may keep or change.
+        """
+        key = _conversation_key(messages)
+        ids = self.conversation_cache.get(key)
+        if ids is None:
+            loop = asyncio.get_running_loop()
+            ids = tuple(await loop.run_in_executor(self._executor, self.encode_chat_sync, messages))
+            self.conversation_cache.put(key, ids)
+        return list(ids)
 
     async def encode_text(self, text: str) -> list[int]:
         """Async :meth:`encode_text_sync` in the tokenizer pool."""

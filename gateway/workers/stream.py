@@ -55,7 +55,8 @@ class RequestStream:
         self._first_token_latency_ms: float | None = None
         self._finished: Finished | None = None
         self._error: SluiceError | None = None
-        self._event = asyncio.Event()
+        self._has_update = False  # a reply arrived that next_update has not returned yet
+        self._waiter: asyncio.Future[None] | None = None  # next_update is waiting on it
         self.done = False  # the worker will send nothing more (finished, failed or aborted)
         self.reservation: Reservation | None = None  # set by start_request: its prefill backlog entry
 
@@ -68,19 +69,25 @@ class RequestStream:
         self._token_ids.extend(delta.token_ids)
         if delta.first_token_latency_ms is not None:
             self._first_token_latency_ms = delta.first_token_latency_ms
-        self._event.set()
+        self._wake()
 
     def _finish(self, finished: Finished) -> None:
         self._started()
         self._finished = finished
         self.done = True
-        self._event.set()
+        self._wake()
 
     def _fail(self, error: SluiceError) -> None:
         self._started()
         self._error = error
         self.done = True
-        self._event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._has_update = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def next_update(self, timeout_s: float) -> StreamUpdate:
         """Wait for new tokens or the end of the request.
@@ -89,13 +96,9 @@ class RequestStream:
             SluiceError: the worker failed the request or its connection died (``worker_failed`` or the worker's
                 code), or nothing arrived within ``timeout_s`` (``worker_timeout``).
         """
-        if not self._event.is_set():
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout_s)
-            except TimeoutError:
-                raise SluiceError(ErrorCode.WORKER_TIMEOUT,
-                                  f"the worker sent no token for {timeout_s:g} s") from None
-        self._event.clear()
+        if not self._has_update:
+            await self._wait(timeout_s)
+        self._has_update = False
         token_ids, self._token_ids = self._token_ids, []
         latency_ms, self._first_token_latency_ms = self._first_token_latency_ms, None
         if token_ids or self._finished is not None:
@@ -103,3 +106,26 @@ class RequestStream:
         if self._error is not None:
             raise self._error
         return StreamUpdate([], latency_ms, None)
+
+    async def _wait(self, timeout_s: float) -> None:
+        """Wait until a reply arrives, on one future and one timer (``asyncio.wait_for`` would add a task per wait).
+
+        Raises:
+            SluiceError: ``worker_timeout`` when nothing arrived within ``timeout_s``.
+        """
+        if timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        if not self._has_update:
+            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"the worker sent no token for {timeout_s:g} s")
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -927,6 +927,24 @@ async def test_arrival_rate_counts_every_arrival_admitted_or_not():
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
+def test_arrival_rate_of_any_window_sums_the_arrivals_inside_it():
+    pool = FakePool(max_num_seqs=1, rate=100.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, rate_window_s=10.0)
+    arrivals: list[tuple[float, float]] = []
+    for i in range(40):
+        ticket = controller.make_ticket("vip", prompt(10 + i), 64)
+        controller._record_arrival(ticket)
+        arrivals.append((clock(), ticket.expected_work_tokens))
+        clock.advance(0.5 if i % 3 else 0.25)
+    for window_s in (0.5, 1.0, 2.5, 4.9, 5.0, 7.5, 10.0, 30.0):
+        effective_s = min(window_s, 10.0)
+        expected = sum(work for at_s, work in arrivals if at_s >= clock() - effective_s) / effective_s
+        assert controller.arrival_rate_tokens_per_s(window_s) == pytest.approx(expected)
+    clock.advance(10.5)
+    assert controller.arrival_rate_tokens_per_s(10.0) == 0.0
+
+
 class SlotPool(FakePool):
     """A FakePool that reports its sequence slots (for reserved slot shares)."""
 

@@ -63,3 +63,42 @@ def test_bc12_random_token_soup_never_crashes_and_matches_decode(tokenizer):
 def test_special_tokens_are_skipped(tokenizer):
     token_ids = tokenizer.encode_text_sync("Hello there") + tokenizer.eos_token_ids
     assert "".join(_stream(tokenizer, token_ids)) == "Hello there"
+
+
+class _GenericDecoder:
+    """The real tokenizer seen as a decoder that is not byte-level: the detokenizer's decode-and-diff path."""
+
+    byte_level = False
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def token_bytes(self, token_ids: list[int]) -> bytes:
+        return self._tokenizer.token_bytes(token_ids)
+
+    def byte_level_bytes(self, token_ids: list[int]) -> bytes:
+        raise AssertionError("not a byte-level decoder")
+
+
+def test_byte_level_bytes_decoded_as_utf8_equal_decode(tokenizer):
+    assert tokenizer.byte_level
+    rng = random.Random(1)
+    special = list(tokenizer.eos_token_ids) + tokenizer.encode_text_sync("<|im_start|>user<|im_end|>")
+    for _ in range(200):
+        token_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 30))]
+        token_ids.insert(rng.randrange(len(token_ids) + 1), rng.choice(special))
+        assert tokenizer.byte_level_bytes(token_ids).decode("utf-8", "replace") == tokenizer.decode(token_ids)
+
+
+def test_decode_and_diff_path_streams_the_same_text(tokenizer):
+    token_ids = tokenizer.encode_text_sync(MIXED_TEXT * 2) + tokenizer.eos_token_ids
+    for step in (1, 2, 5):
+        generic = _stream(_GenericDecoder(tokenizer), token_ids, step)
+        assert all(REPLACEMENT_CHAR not in piece for piece in generic)
+        assert "".join(generic) == "".join(_stream(tokenizer, token_ids, step)) == MIXED_TEXT * 2
+    truncated = tokenizer.encode_text_sync("ok 霓")[:-1]
+    for decoder in (_GenericDecoder(tokenizer), tokenizer):
+        assert "".join(_stream(decoder, truncated)) == "ok "

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from gateway.__main__ import parse_args
+from gateway.__main__ import log_line_json, parse_args
 from tests.conftest import TEST_CONFIG
 from tests.support.server import SluiceProcess, get_json
 
@@ -19,6 +19,15 @@ pytestmark = pytest.mark.slow
 def test_parse_args_repeatable_worker_address():
     args = parse_args(["--port", "9", "--worker-address", "127.0.0.1:1", "--worker-address", "unix:/tmp/x.sock"])
     assert args.port == 9 and args.worker_address == ["127.0.0.1:1", "unix:/tmp/x.sock"]
+
+
+def test_log_lines_are_json_objects_with_a_repr_for_other_values():
+    marker = object()
+    line = log_line_json({"event": "request", "status": 200, "ttft_ms": 1.5, "tenant": "ünï", "ids": (1, 2),
+                          "by_gen": {0: 1}, "obj": marker, "none": None})
+    assert "\n" not in line
+    assert json.loads(line) == {"event": "request", "status": 200, "ttft_ms": 1.5, "tenant": "ünï", "ids": [1, 2],
+                                "by_gen": {"0": 1}, "obj": repr(marker), "none": None}
 
 
 def test_gateway_serves_through_an_external_worker_and_leaves_it_running(tmp_path):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+import pytest
+
 from gateway.pipeline.responses import DONE_EVENT, ChunkFactory, chat_completion, sse_error_event
 from shared.errors import ErrorCode, SluiceError
 
@@ -46,3 +49,31 @@ def test_chat_completion_object():
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["choices"][1] == {"index": 1, "message": {"role": "assistant", "content": "b"}, "logprobs": None,
                                   "finish_reason": "length"}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_chunk_templates_equal_encoding_the_chunk_objects(kind):
+    chunks = ChunkFactory(kind, 'chatcmpl-"quoted"\\id', 1712345678, 'mödel "x"')
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def encoded(choices: list[dict], **extra) -> bytes:
+        chunk = {"id": 'chatcmpl-"quoted"\\id', "object": obj, "created": 1712345678, "model": 'mödel "x"',
+                 "choices": choices, **extra}
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    for index in (0, 3, 12):
+        for text in ("hello", " \"quote\" \\ back\nnew line\t", "héllo 霓 🙂", "\u2028\x00\x1f"):
+            choice = ({"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                      if kind == "chat" else
+                      {"index": index, "text": text, "logprobs": None, "finish_reason": None})
+            assert chunks.text(index, text) == encoded([choice])
+        for reason in ("stop", "length"):
+            choice = ({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason} if kind == "chat"
+                      else {"index": index, "text": "", "logprobs": None, "finish_reason": reason})
+            assert chunks.finish(index, reason) == encoded([choice])
+        if kind == "chat":
+            assert chunks.role(index) == encoded([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}])
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 1}}
+    assert chunks.usage(usage) == encoded([], usage=usage)

@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
 import os
 import signal
 import sys
 import time
 
-import msgspec
 import structlog
 from aiohttp import web
 
 from gateway.app import build_app
 from gateway.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.config import ConfigError, load_config, with_overrides
-from shared.logs import configure_logging as configure_log_output
+from shared.logs import configure_logging
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -54,29 +51,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--worker-address", action="append", default=[], metavar="HOST:PORT|unix:PATH",
                         help="connect to a running worker instead of spawning (repeatable)")
     return parser.parse_args(argv)
-
-
-_LOG_ENCODER = msgspec.json.Encoder(enc_hook=repr)
-
-
-def log_line_json(event_dict: dict, **_: object) -> str:
-    """Return a log event as one compact JSON object (msgspec; about 10x faster than ``json.dumps`` on a request
-    line); a value JSON cannot hold is written as its ``repr``."""
-    try:
-        return _LOG_ENCODER.encode(event_dict).decode()
-    except (TypeError, msgspec.EncodeError):  # e.g. a dict with keys that are not strings
-        return json.dumps(event_dict, default=repr)
-
-
-def configure_logging() -> None:
-    """structlog JSON lines on stderr (one per request; never prompt text)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    structlog.configure(
-        processors=[structlog.processors.TimeStamper(fmt="iso"), structlog.processors.add_log_level,
-                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer(serializer=log_line_json)],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) -> int:
@@ -133,7 +107,7 @@ async def serve(options: GatewayOptions) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sluice serve``; returns the exit status."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    configure_log_output()
+    configure_logging()
     try:
         config = load_config(args.config)
         gateway: dict = {}

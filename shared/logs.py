@@ -6,14 +6,27 @@ explicitly (e.g. JSON on a terminal for piping into jq, or console lines under a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from typing import Literal, TextIO
 
+import msgspec
 import structlog
 
 LOG_FORMATS = ("console", "json")
+
+_LOG_ENCODER = msgspec.json.Encoder(enc_hook=repr)
+
+
+def log_line_json(event_dict: dict, **_: object) -> str:
+    """Return a log event as one compact JSON object (msgspec; about 10x faster than ``json.dumps`` on a request
+    line); a value JSON cannot hold is written as its ``repr``."""
+    try:
+        return _LOG_ENCODER.encode(event_dict).decode()
+    except (TypeError, msgspec.EncodeError):  # e.g. a dict with keys that are not strings
+        return json.dumps(event_dict, default=repr)
 
 
 def choose_log_format(stream: TextIO, environ: dict[str, str] | None = None) -> Literal["console", "json"]:
@@ -46,6 +59,7 @@ def configure_logging(stream: TextIO | None = None, environ: dict[str, str] | No
         isatty = getattr(stream, "isatty", None)
         processors.append(structlog.dev.ConsoleRenderer(colors=isatty is not None and isatty()))
     else:
-        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-    structlog.configure(processors=processors, logger_factory=structlog.PrintLoggerFactory(stream))
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(serializer=log_line_json)]
+    structlog.configure(processors=processors, logger_factory=structlog.PrintLoggerFactory(stream),
+                        cache_logger_on_first_use=True)
     return log_format

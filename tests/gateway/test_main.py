@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from gateway.__main__ import log_line_json, parse_args
+from gateway.__main__ import parse_args
+from shared.logs import log_line_json
 from tests.conftest import TEST_CONFIG
 from tests.support.server import SluiceProcess, get_json
 

@@ -166,15 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
-    allow_insecure = args.insecure_no_secret or config.worker.allow_insecure
-    if secret is None and not is_loopback_listen(args.listen):
-        if not allow_insecure:
-            print(f"sluice worker: --listen {args.listen} is reachable from other machines and no shared secret is "
-                  "set: set worker.secret_file (or SLUICE_WORKER__SECRET), or pass --insecure-no-secret",
-                  file=sys.stderr)
-            return 2
-        log.warning("worker_insecure_no_secret", listen=args.listen,
-                    note="anyone who reaches this port can generate, abort and drain")
     advertise = None
     if args.registry:
         from worker.registry import WorkerRegistration, resolve_advertise
@@ -184,6 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"sluice worker: {exc}", file=sys.stderr)
             return 2
+    allow_insecure = args.insecure_no_secret or config.worker.allow_insecure
+    if secret is None and not is_loopback_listen(args.listen):
+        if not allow_insecure:
+            print(f"sluice worker: --listen {args.listen} is reachable from other machines and no shared secret is "
+                  "set: set worker.secret_file (or SLUICE_WORKER__SECRET), or pass --insecure-no-secret",
+                  file=sys.stderr)
+            return 2
+        log.warning("worker_insecure_no_secret", listen=args.listen,
+                    note="anyone who reaches this port can generate, abort and drain")
     worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     server = build_worker(config, worker_id, secret)
     async def run() -> None:

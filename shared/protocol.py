@@ -118,7 +118,7 @@ GatewayMessage = Union[Generate, Abort, Drain, Ping, Authenticate]
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    """First message of a worker on a new connection.
+    """First message of a worker on a new connection (after the handshake when the worker has a shared secret).
 
     Attributes:
         worker_id: stable for the worker process.

@@ -2,7 +2,8 @@
 setup of README "Several machines" on one box): a ``sluice serve --workers 0`` gateway and two ``sluice worker``
 processes (sim backend: the roofline SIMULATOR, for speed) that register in the real Redis at 127.0.0.1:6379
 (``make redis``) and prove the secret; a worker without it refused by the gateway; a gateway without it refused by the
-worker, which ignores an unauthenticated ``Drain``; a non-loopback ``--listen`` without a secret refuses to start.
+worker, which ignores an unauthenticated ``Drain``; a non-loopback ``--listen`` without a secret refuses to start;
+the local workers of a plain ``sluice serve`` challenge every peer with a secret made for the run.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import secrets
 import socket
 import urllib.request
 
-from shared.protocol import Drain, gateway_codec
+from shared.protocol import Challenge, Drain, gateway_codec
 from tests.support.server import SluiceProcess, free_port, get_json, wait_for
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -109,3 +110,15 @@ def test_non_loopback_listen_without_a_secret_refuses_to_start():
         [line] = w.log_text().strip().splitlines()  # one clear line, before any model is loaded
         assert line.startswith(f"sluice worker: --listen {listen} is reachable from other machines and no shared "
                                "secret is set") and "--insecure-no-secret" in line
+
+
+def test_local_workers_of_sluice_serve_get_a_per_run_secret_without_any_config():
+    with SluiceProcess(WORKER_CONFIG) as gw:
+        assert chat(gw.base_url, "hello")[0] == 200
+        [event] = gw.log_events("worker_listening")
+        assert event["authenticated"] is True
+        with socket.socket(socket.AF_UNIX) as raw:  # anyone else on the machine meets a challenge first
+            raw.settimeout(10)
+            raw.connect(event["listen"][len("unix:"):])
+            header = raw.recv(4)
+            assert isinstance(gateway_codec().decode(raw.recv(int.from_bytes(header, "big"))), Challenge)

@@ -326,7 +326,11 @@ class WorkerClient:
                 continue
             failures = 0
             self._codec = gateway_codec()
-            hello = await self._handshake(reader, writer)
+            try:
+                hello = await self._handshake(reader, writer)
+            except asyncio.CancelledError:
+                writer.close()
+                raise
             if hello is None:
                 writer.close()
                 await asyncio.sleep(AUTH_RETRY_INTERVAL_S if self.num_auth_failures else RECONNECT_INTERVAL_S)

@@ -10,7 +10,7 @@ One long-lived :class:`FrameCodec` (a typed encoder and decoder) per connection.
 Authentication (when the worker has a shared secret; :mod:`shared.auth` computes and checks the proofs)::
 
     worker  ── Challenge(worker_nonce) ──────────────────────────▶ gateway
-    worker ◀── Authenticate(gateway_nonce, HMAC(secret, "gateway" ‖ worker_nonce ‖ gateway_nonce)) ── gateway
+    worker ◀── Authenticate(HMAC(secret, "gateway" ‖ worker_nonce ‖ gateway_nonce), gateway_nonce) ── gateway
     worker  ── Authenticated(HMAC(secret, "worker" ‖ gateway_nonce ‖ worker_nonce)), Hello, Capacity… ─▶ gateway
 
 A worker without a secret sends ``Hello`` at once (no handshake); a gateway with a secret refuses such a worker, and a

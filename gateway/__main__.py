@@ -29,6 +29,7 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
+from shared.auth import load_secret
 from shared.config import ConfigError, load_config, with_overrides
 from shared.logs import configure_logging
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             gateway["reuse_port"] = args.reuse_port
         worker = {} if args.workers is None else {"num_local_workers": args.workers}
         config = with_overrides(config, gateway=gateway, worker=worker)
+        load_secret(config.worker)  # a missing secret_file or a short secret: say so before starting anything
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2

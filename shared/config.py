@@ -122,6 +122,14 @@ class WorkerConfig(_Section):
         capacity_interval_s: period of capacity reports.
         num_threads: torch intra-op threads on the CPU, 0 for one per physical core.
         enable_prefix_caching: keep and reuse full blocks across requests.
+        secret: the shared secret every gateway ↔ worker connection proves (HMAC challenge–response both ways,
+            ``shared.auth``), at least 16 characters; gateways and workers read the same key. "" = none: a worker
+            then serves any peer, and one listening beyond loopback refuses to start unless ``allow_insecure``. Local
+            workers of ``sluice serve`` always get one (this one, else a random one per run). Prefer
+            ``secret_file`` or ``SLUICE_WORKER__SECRET`` to writing it here; never logged, never in ``/status``.
+        secret_file: a file holding the secret (surrounding whitespace stripped); "" = use ``secret``.
+        allow_insecure: let a worker listen on a non-loopback address without a secret (anyone who reaches the
+            port can generate, abort and drain); ``sluice worker --insecure-no-secret`` sets it.
     """
 
     num_local_workers: NonNegativeInt = 1
@@ -134,6 +142,9 @@ class WorkerConfig(_Section):
     capacity_interval_s: PositiveFloat = 0.25
     num_threads: NonNegativeInt = 0
     enable_prefix_caching: bool = True
+    secret: str = ""
+    secret_file: str = ""
+    allow_insecure: bool = False
 
 
 class RetentionSettings(_Section):

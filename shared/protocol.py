@@ -6,6 +6,15 @@ per union; arrays are also the compact one for hot messages). New fields are onl
 appended at the end, each with a default, so old peers keep decoding.
 
 One long-lived :class:`FrameCodec` (a typed encoder and decoder) per connection.
+
+Authentication (when the worker has a shared secret; :mod:`shared.auth` computes and checks the proofs)::
+
+    worker  ── Challenge(worker_nonce) ──────────────────────────▶ gateway
+    worker ◀── Authenticate(HMAC(secret, "gateway" ‖ worker_nonce ‖ gateway_nonce), gateway_nonce) ── gateway
+    worker  ── Authenticated(HMAC(secret, "worker" ‖ gateway_nonce ‖ worker_nonce)), Hello, Capacity… ─▶ gateway
+
+A worker without a secret sends ``Hello`` at once (no handshake); a gateway with a secret refuses such a worker, and a
+worker with a secret closes a connection whose first frame is not a correct ``Authenticate``.
 """
 
 from __future__ import annotations
@@ -18,6 +27,9 @@ import msgspec
 
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Largest frame a side accepts before the peer has proved the shared secret (Challenge, Authenticate, Authenticated
+# and Hello are a few hundred bytes).
+MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
 PROTOCOL_VERSION = 1
 
 
@@ -87,14 +99,26 @@ class Ping(msgspec.Struct, tag=True, array_like=True, frozen=True):
     nonce: int = 0
 
 
-GatewayMessage = Union[Generate, Abort, Drain, Ping]
+class Authenticate(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """The gateway's answer to :class:`Challenge`: its proof of the shared secret and its own challenge.
+
+    Attributes:
+        proof: ``HMAC-SHA256(secret, b"sluice-gateway\\0" + worker_nonce + gateway_nonce)``, 32 bytes.
+        nonce: the gateway's random nonce, 32 bytes; the worker answers it in :class:`Authenticated`.
+    """
+
+    proof: bytes
+    nonce: bytes
+
+
+GatewayMessage = Union[Generate, Abort, Drain, Ping, Authenticate]
 
 
 # ---------------------------------------------------------------- worker -> gateway
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    """First message of a worker on a new connection.
+    """First message of a worker on a new connection (after the handshake when the worker has a shared secret).
 
     Attributes:
         worker_id: stable for the worker process.
@@ -121,6 +145,26 @@ class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
     max_model_len_tokens: int
     attention_backend: str = "torch"
     protocol_version: int = PROTOCOL_VERSION
+
+
+class Challenge(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """First message of a worker that has a shared secret: the gateway must prove it (see :class:`Authenticate`).
+
+    Attributes:
+        nonce: random, 32 bytes, fresh per connection.
+    """
+
+    nonce: bytes
+
+
+class Authenticated(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """The worker accepted the gateway's proof and proves the secret in turn; ``Hello`` follows.
+
+    Attributes:
+        proof: ``HMAC-SHA256(secret, b"sluice-worker\\0" + gateway_nonce + worker_nonce)``, 32 bytes.
+    """
+
+    proof: bytes
 
 
 class TokenDelta(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -211,7 +255,7 @@ class Pong(msgspec.Struct, tag=True, array_like=True, frozen=True):
     nonce: int = 0
 
 
-WorkerMessage = Union[Hello, TokenDelta, Finished, Failed, Capacity, Pong]
+WorkerMessage = Union[Hello, TokenDelta, Finished, Failed, Capacity, Pong, Challenge, Authenticated]
 
 
 class ProtocolError(Exception):
@@ -246,8 +290,13 @@ class FrameCodec:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"malformed frame: {exc}") from exc
 
-    async def read(self, reader: asyncio.StreamReader) -> msgspec.Struct | None:
+    async def read(self, reader: asyncio.StreamReader,
+                   max_frame_bytes: int = MAX_FRAME_BYTES) -> msgspec.Struct | None:
         """Read and decode one frame; return None on a clean end of stream.
+
+        Args:
+            reader: the connection's stream.
+            max_frame_bytes: largest body accepted (:data:`MAX_HANDSHAKE_FRAME_BYTES` before authentication).
 
         Raises:
             ProtocolError: oversized or malformed frame, or a stream cut inside a frame.
@@ -259,8 +308,8 @@ class FrameCodec:
                 return None
             raise ProtocolError("stream ended inside a frame header") from exc
         (length,) = FRAME_HEADER.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        if length > max_frame_bytes:
+            raise ProtocolError(f"frame of {length} bytes exceeds {max_frame_bytes}")
         try:
             body = await reader.readexactly(length)
         except asyncio.IncompleteReadError as exc:

@@ -4,7 +4,11 @@ Usage::
 
     sluice worker --listen 127.0.0.1:9100 [--config config.toml] [--backend cpu|cuda|sim]
     sluice worker --listen unix:/tmp/sluice-worker.sock
-    sluice worker --listen 0.0.0.0:9100 --advertise 10.0.0.5:9100 --registry redis://10.0.0.1:6379/0
+    SLUICE_WORKER__SECRET=… sluice worker --listen 0.0.0.0:9100 --advertise 10.0.0.5:9100 \
+        --registry redis://10.0.0.1:6379/0
+
+A worker listening beyond loopback needs the shared secret (``worker.secret``, ``worker.secret_file`` or
+``SLUICE_WORKER__SECRET``) unless started with ``--insecure-no-secret``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import uuid
 
 import structlog
 
+from shared.auth import is_loopback_listen, load_secret
 from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
 from shared.logs import configure_logging
 from shared.protocol import Capacity, Hello
@@ -37,6 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--registry", default=None, help="redis://… URL: register in the worker registry")
     parser.add_argument("--advertise", default=None, help="HOST:PORT gateways connect to (default: --listen)")
+    parser.add_argument("--insecure-no-secret", action="store_true",
+                        help="listen beyond loopback without a shared secret: anyone who reaches the port can "
+                        "generate, abort and drain (worker.allow_insecure)")
     return parser.parse_args(argv)
 
 
@@ -61,10 +69,11 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def build_worker(config: Config, worker_id: str):
+def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
     """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`.
 
-    The simulator never imports torch (seconds of a cold start for nothing it uses)."""
+    The simulator never imports torch (seconds of a cold start for nothing it uses). ``secret``: the shared secret
+    every gateway connection must prove (None: none)."""
     from worker.engine import Engine
     from worker.kv_cache.manager import KVCacheManager
     from worker.scheduler import Scheduler
@@ -163,6 +172,7 @@ def build_worker(config: Config, worker_id: str):
         capacity,
         max_model_len,
         capacity_interval_s=wc.capacity_interval_s,
+        secret=secret,
     )
 
 
@@ -174,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.backend:
             config = with_overrides(config, worker={"backend": args.backend})
+        secret = load_secret(config.worker)
     except ConfigError as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
@@ -186,8 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"sluice worker: {exc}", file=sys.stderr)
             return 2
+    allow_insecure = args.insecure_no_secret or config.worker.allow_insecure
+    if secret is None and not is_loopback_listen(args.listen):
+        if not allow_insecure:
+            print(f"sluice worker: --listen {args.listen} is reachable from other machines and no shared secret is "
+                  "set: set worker.secret_file (or SLUICE_WORKER__SECRET), or pass --insecure-no-secret",
+                  file=sys.stderr)
+            return 2
+        log.warning("worker_insecure_no_secret", listen=args.listen,
+                    note="anyone who reaches this port can generate, abort and drain")
     worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    server = build_worker(config, worker_id)
+    server = build_worker(config, worker_id, secret)
     async def run() -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

@@ -9,6 +9,10 @@ between steps, so an ``Abort`` frees the sequence's blocks before the next step 
                                                                    ▼
                                        engine loop: apply pending → step (thread) → dispatch events
     gateway conn ◀──TokenDelta/Finished/Capacity─────────────────────┘
+
+With a shared secret, a new connection first proves it (``shared.auth``: Challenge → Authenticate → Authenticated)
+and only then gets ``Hello``, capacity reports or any say over requests; a peer that fails is logged
+(``gateway_auth_failed``) and closed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Callable
 import msgspec
 import structlog
 
+from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, verify_gateway
 from shared.errors import ErrorCode
 from shared.protocol import (
     Abort,
@@ -74,6 +79,8 @@ class WorkerServer:
         capacity_fn: returns the current :class:`Capacity` (reads scheduler and engine counters).
         max_model_len_tokens: context length; longer prompts fail with ``context_length_exceeded``.
         capacity_interval_s: period of capacity reports.
+        secret: the shared secret every connection must prove before anything else (``shared.auth``); None = no
+            authentication (``Hello`` at once).
     """
 
     def __init__(
@@ -83,12 +90,14 @@ class WorkerServer:
         capacity_fn: Callable[[], Capacity],
         max_model_len_tokens: int,
         capacity_interval_s: float = 0.25,
+        secret: bytes | None = None,
     ) -> None:
         self.engine = engine
         self.hello = hello
         self.capacity_fn = capacity_fn
         self.max_model_len_tokens = max_model_len_tokens
         self.capacity_interval_s = capacity_interval_s
+        self._secret = secret
         self.draining = False
         self._connections: dict[int, _Connection] = {}
         self._owner: dict[str, _Connection] = {}
@@ -116,7 +125,8 @@ class WorkerServer:
             self._server = await asyncio.start_server(self._handle, host=host or "127.0.0.1", port=int(port))
         self._engine_task = asyncio.create_task(self._engine_loop(), name="engine-loop")
         self._capacity_task = asyncio.create_task(self._capacity_loop(), name="capacity-loop")
-        log.info("worker_listening", listen=listen, worker_id=self.hello.worker_id, backend=self.hello.backend)
+        log.info("worker_listening", listen=listen, worker_id=self.hello.worker_id, backend=self.hello.backend,
+                 authenticated=self._secret is not None)
 
     async def close(self) -> None:
         """Stop listening, cancel the loops, close every connection."""
@@ -145,8 +155,30 @@ class WorkerServer:
 
     # ------------------------------------------------------------------ connections
 
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            codec) -> bool:
+        """Return whether the new connection proved the shared secret (True at once without one)."""
+        if self._secret is None:
+            return True
+        peer = str(writer.get_extra_info("peername") or "unix socket")
+        try:
+            await asyncio.wait_for(verify_gateway(reader, writer, codec, self._secret), HANDSHAKE_TIMEOUT_S)
+            return True
+        except (AuthError, ProtocolError) as exc:
+            reason = str(exc)
+        except TimeoutError:
+            reason = f"no answer to the challenge within {HANDSHAKE_TIMEOUT_S:g} s"
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            reason = f"connection lost during authentication: {exc}"
+        log.error("gateway_auth_failed", peer=peer, reason=reason)
+        writer.close()
+        return False
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Connection(next(self._conn_ids), writer, worker_codec())
+        codec = worker_codec()
+        if not await self._authenticate(reader, writer, codec):
+            return
+        conn = _Connection(next(self._conn_ids), writer, codec)
         self._connections[conn.conn_id] = conn
         log.info("gateway_connected", conn_id=conn.conn_id)
         try:

@@ -52,6 +52,7 @@ from gateway.fleet.spawn import WorkerSpawner, preload_modules
 from gateway.metrics import Metrics
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool, WorkerStatus
+from shared.auth import load_secret
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import ErrorCode, SluiceError
 
@@ -75,13 +76,14 @@ class Fleet:
         clock: monotonic seconds (the event loop's time base; injectable for tests).
 
     Raises:
-        ConfigError: invalid pools or tiers.
+        ConfigError: invalid pools or tiers, or an unreadable or too short ``worker.secret``/``secret_file``.
     """
 
     def __init__(self, config: Config, metrics: Metrics, config_path: str | None = None, spawn_local: bool = True,
                  worker_addresses: Sequence[str] = (), limiter: RateLimiter | None = None,
                  default_capper: OutputCapper | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         validate_pool_config(config)
+        self._worker_secret = load_secret(config.worker)  # required of registry and --worker-address workers
         self.config = config
         self.metrics = metrics
         self.config_path = config_path
@@ -96,7 +98,7 @@ class Fleet:
         spawner = WorkerSpawner(config.gateway.worker_start_method,
                                 preload_modules(pool.backend for pool in self._pool_configs))
         self.local = LocalProcesses(config, metrics, self.meter, spawner, clock, config_path, self._on_cold_start,
-                                    self.kick)
+                                    self.kick, secret=self._worker_secret)
         self._spawner = spawner
         self._owned_limiter = limiter is None
         self.limiter = limiter if limiter is not None else self._make_limiter(config)
@@ -242,7 +244,7 @@ class Fleet:
 
     def _add_remote(self, runtime: PoolRuntime, name: str, address: str) -> WorkerClient:
         client = WorkerClient(address, name, self.metrics.observe_capacity,
-                              WorkerPool.make_breaker(self.config.breaker))
+                              WorkerPool.make_breaker(self.config.breaker), secret=self._worker_secret)
         runtime.remote[name] = (client, self._clock())
         runtime.pool.add_client(client)
         return client

@@ -3,6 +3,9 @@
 
 A scale-down never aborts a request: the worker is marked draining in the gateway (no new reservation), sent the
 protocol's ``Drain``, and stopped (SIGTERM) only once every request of this gateway on it has ended.
+
+Every local worker requires the shared secret (``shared.auth``): the configured ``worker.secret``, else a random one
+made for this gateway run, handed over in its environment (``SLUICE_WORKER__SECRET``), never on its command line.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from gateway.fleet.spawn import STOP_GRACE_S, WorkerSpawner
 from gateway.metrics import Metrics
 from gateway.workers.client import FIRST_CONNECT_INTERVAL_S, WorkerClient
 from gateway.workers.pool import WorkerPool
+from shared.auth import new_secret
 from shared.config import Config, PoolConfig
 
 log = structlog.get_logger("sluice.gateway")
@@ -63,12 +67,14 @@ class LocalProcesses:
         config_path: passed to the workers as ``--config`` (None: their default resolution).
         on_cold_start: called with (pool name, spawn → Hello seconds) when a worker says Hello.
         on_exit: called when a worker is gone (exited, stopped or failed to start): the autoscaler looks again.
+        secret: the shared secret of the local workers; None = a random one for this run.
     """
 
     def __init__(self, config: Config, metrics: Metrics, meter: WorkerSecondsMeter, spawner: WorkerSpawner,
                  clock: Callable[[], float], config_path: str | None, on_cold_start: Callable[[str, float], None],
-                 on_exit: Callable[[], None]) -> None:
+                 on_exit: Callable[[], None], secret: bytes | None = None) -> None:
         self.config = config
+        self._secret = secret if secret is not None else new_secret()
         self.metrics = metrics
         self.meter = meter
         self._spawner = spawner
@@ -123,7 +129,8 @@ class LocalProcesses:
         # the label of logs and metrics: stable per slot (a replacement keeps it); "local-<slot>" without [[pools]]
         name = f"local-{index}" if not self.config.pools else f"{safe_pool}-{index}"
         client = WorkerClient(f"unix:{socket_path}", name, self.metrics.observe_capacity,
-                              WorkerPool.make_breaker(self.config.breaker), FIRST_CONNECT_INTERVAL_S)
+                              WorkerPool.make_breaker(self.config.breaker), FIRST_CONNECT_INTERVAL_S,
+                              secret=self._secret)
         lw = LocalWorker(runtime.name, index, worker_id, socket_path, device, client, now_s)
         runtime.local[worker_id] = lw
         runtime.starts_by_index[index] += 1
@@ -132,8 +139,11 @@ class LocalProcesses:
         return True
 
     def worker_env(self, pool: PoolConfig, device: str | None) -> dict[str, str]:
-        """Return the environment of a local worker of ``pool`` (the gateway's, plus the pool's settings)."""
+        """Return the environment of a local worker of ``pool`` (the gateway's, plus the pool's settings and the
+        shared secret, which replaces any ``worker.secret_file``)."""
         env = dict(os.environ)
+        env["SLUICE_WORKER__SECRET"] = _toml_string(self._secret.decode())
+        env["SLUICE_WORKER__SECRET_FILE"] = '""'
         env["SLUICE_WORKER__BACKEND"] = _toml_string(pool.backend)
         env["SLUICE_MODEL__NAME"] = _toml_string(pool.model_name)
         if pool.model:

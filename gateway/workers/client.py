@@ -9,7 +9,9 @@
 
 A :class:`WorkerClient` keeps reconnecting to its address (a restarted local worker reappears on the same socket
 path). A connection that dies fails every request in flight on it with ``worker_failed``. A malformed frame closes
-that connection with a logged error, never the process.
+that connection with a logged error, never the process. With a shared secret the connection is authenticated both
+ways before the worker's Hello (``shared.auth``); a worker that fails is logged (``worker_auth_failed``), closed,
+and tried again every :data:`AUTH_RETRY_INTERVAL_S`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import structlog
 
 from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.stream import RequestStream, error_code
+from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, authenticate_worker
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import (
     Abort,
@@ -50,6 +53,8 @@ RECONNECT_INTERVAL_S = 0.2
 # A connect to a Unix socket that is not there yet fails at once (ENOENT) and costs microseconds.
 FIRST_CONNECT_INTERVAL_S = 0.01
 CONNECT_TIMEOUT_S = 5.0
+# Seconds before connecting again to a worker that failed authentication (a configuration error, not a blip).
+AUTH_RETRY_INTERVAL_S = 5.0
 # Prompt-block hashes remembered per worker for prefix-aware routing (about 64 K tokens of 16-token blocks per
 # 4096 entries; oldest forgotten first, like the worker's own LRU prefix cache).
 MAX_PREFIX_HASHES_PER_WORKER = 4096
@@ -69,12 +74,17 @@ class WorkerClient:
         breaker: this worker's circuit breaker; None = a closed one with the default settings.
         first_connect_interval_s: retry interval until the first connection succeeds (a local worker just
             spawned: :data:`FIRST_CONNECT_INTERVAL_S`); None = :data:`RECONNECT_INTERVAL_S` throughout.
+        secret: the shared secret this gateway proves and requires of the worker (``shared.auth``); None = accept
+            only a worker without one.
     """
 
     def __init__(self, address: str, name: str,
                  on_capacity: Callable[[str, Capacity], None] | None = None,
-                 breaker: CircuitBreaker | None = None, first_connect_interval_s: float | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, first_connect_interval_s: float | None = None,
+                 secret: bytes | None = None) -> None:
         self.address = address
+        self._secret = secret
+        self.num_auth_failures = 0
         self.name = name
         self._first_connect_interval_s = first_connect_interval_s
         self.breaker = breaker if breaker is not None else CircuitBreaker()
@@ -316,13 +326,43 @@ class WorkerClient:
                 continue
             failures = 0
             self._codec = gateway_codec()
+            try:
+                hello = await self._handshake(reader, writer)
+            except asyncio.CancelledError:
+                writer.close()
+                raise
+            if hello is None:
+                writer.close()
+                await asyncio.sleep(AUTH_RETRY_INTERVAL_S if self.num_auth_failures else RECONNECT_INTERVAL_S)
+                continue
+            self.num_auth_failures = 0
             self._writer = writer
             self.num_connections += 1
             self.connected_at_s = time.time()
+            self._on_message(hello)
             reason = await self._read_loop(reader)
             self._disconnect(reason)
             if not self._closing:
                 await asyncio.sleep(RECONNECT_INTERVAL_S)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Hello | None:
+        """Authenticate a new connection (``shared.auth``) and return the worker's Hello; None when it failed
+        (logged; ``num_auth_failures`` counts refusals in a row)."""
+        try:
+            return await asyncio.wait_for(authenticate_worker(reader, writer, self._codec, self._secret),
+                                          HANDSHAKE_TIMEOUT_S)
+        except AuthError as exc:
+            self.num_auth_failures += 1
+            if self.num_auth_failures in (1, 10) or self.num_auth_failures % 100 == 0:
+                log.error("worker_auth_failed", worker=self.name, address=self.address, reason=str(exc),
+                          attempts=self.num_auth_failures)
+        except ProtocolError as exc:
+            log.error("worker_malformed_frame", worker=self.name, error=str(exc))
+        except TimeoutError:
+            log.warning("worker_handshake_timeout", worker=self.name, timeout_s=HANDSHAKE_TIMEOUT_S)
+        except (ConnectionError, OSError) as exc:
+            log.info("worker_connect_retry", worker=self.name, address=self.address, error=str(exc))
+        return None
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> str:
         try:

@@ -11,7 +11,8 @@
 //   worker.<worker>.{backend, simulator, pool, state, device, ready, breaker, kv_usage, kv_used_blocks,
 //                    kv_total_blocks, kv_cached_blocks, prefix_hit_rate, decode_tokens_per_s, prefill_tokens_per_s,
 //                    running, waiting, in_flight, preemptions}
-//   jobs.<status> (queued, running, … whatever /status reports)
+//   jobs.{queued, running, succeeded, failed, cancelled, expired, oldest_queued_age_s, batches_in_progress}
+//        (/status jobs; a count the job store does not keep is null there and left out here)
 // Rates (…_per_s) are counter deltas over the last RATE_WINDOW_S seconds of server time (/status uptime_s).
 // A section whose data /status does not carry (yet) says "no data yet".
 "use strict";

@@ -42,6 +42,11 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def favicon(request: web.Request) -> web.Response:
+    """``GET /favicon.ico``: 204 (browsers ask for it with every page; the gateway has no icon)."""
+    return web.Response(status=204)
+
+
 async def readyz(request: web.Request) -> web.Response:
     """``GET /readyz``: 200 once a worker said Hello — or when a pool scales from zero and can start one (requests
     wait through its cold start) — else 503 (also while draining, so balancers stop sending)."""

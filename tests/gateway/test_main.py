@@ -67,7 +67,7 @@ def test_request_log_levels():
     assert request_log_level("/", "/", 200) is None
 
 
-def test_start_log_says_ready_at_the_url_warns_of_the_simulator_and_keeps_polls_quiet(tmp_path):
+def test_start_log_says_ready_at_the_url_warns_of_the_simulator_and_keeps_retries_and_polls_quiet(tmp_path):
     with sim_gateway(tmp_path) as server:
         base_url = server.base_url
         for path in ("/healthz", "/health", "/readyz", "/status", "/v1/models"):
@@ -85,5 +85,6 @@ def test_start_log_says_ready_at_the_url_warns_of_the_simulator_and_keeps_polls_
         warnings = server.log_events("simulator_backend")
         assert {"worker_id", "workers"} <= set().union(*warnings), warnings  # the worker's line and the gateway's
         assert all(w["level"] == "warning" and "SIMULATOR" in w["message"] for w in warnings), warnings
+        assert server.log_events("worker_connect_retry") == []  # the local worker's cold start is not a failure
         paths = [event["path"] for event in server.log_events("request")]
         assert paths == ["/v1/models"], paths

@@ -28,7 +28,7 @@ import structlog
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.state import FLEET, GATEWAY_ID, METRICS, GatewayOptions
+from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.auth import load_secret
 from shared.config import ConfigError, load_config, with_overrides
 from shared.logs import configure_logging
@@ -37,6 +37,32 @@ log = structlog.get_logger("sluice.gateway")
 
 SHUTDOWN_TIMEOUT_S = 2.0  # after the drain: how long aiohttp waits for handlers before cancelling them
 DRAIN_POLL_INTERVAL_S = 0.05
+READY_POLL_INTERVAL_S = 0.1
+SIMULATOR_WARNING = ("a worker is the roofline SIMULATOR (backend sim), not a model: it answers under the model's "
+                     "name with random tokens")
+
+
+def ready_url(host: str, port: int) -> str:
+    """Return the URL a client on this machine uses for a gateway listening on ``host:port`` (a wildcard address
+    becomes 127.0.0.1; an IPv6 address gets brackets)."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+async def announce_ready(app: web.Application, url: str) -> None:
+    """Log ``ready at <url>`` (key ``url``) once the first worker is ready, then one warning when a ready worker is
+    the roofline simulator."""
+    fleet = app[FLEET]
+    while not any(runtime.has_ready_worker() for runtime in fleet.runtimes.values()):
+        await asyncio.sleep(READY_POLL_INTERVAL_S)
+    ready = [worker for worker in fleet.worker_status() if worker.ready]
+    log.info(f"ready at {url}", url=url, ready_workers=len(ready))
+    simulators = [worker.name for worker in ready if worker.simulator]
+    if simulators:
+        log.warning("simulator_backend", workers=simulators, model=app[CONFIG].model.name, message=SIMULATOR_WARNING)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,12 +110,14 @@ async def serve(options: GatewayOptions) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
+    announcer: asyncio.Task[None] | None = None
     try:
         site = web.TCPSite(runner, config.gateway.host, config.gateway.port, backlog=1024,
                            reuse_port=config.gateway.reuse_port)
         await site.start()
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port, pid=os.getpid(),
                  gateway_id=app[GATEWAY_ID], reuse_port=config.gateway.reuse_port, model=config.model.name)
+        announcer = asyncio.create_task(announce_ready(app, ready_url(config.gateway.host, config.gateway.port)))
         stop, force = asyncio.Event(), asyncio.Event()
 
         def on_signal() -> None:
@@ -102,6 +130,8 @@ async def serve(options: GatewayOptions) -> None:
         await drain(app, config.gateway.drain_timeout_s, force)
         log.info("gateway_stopping")
     finally:
+        if announcer is not None:
+            announcer.cancel()
         await runner.cleanup()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.admission.stats import AdmissionStats
 from gateway.workers.pool import WorkerStatus
 from shared.protocol import Capacity
+
+if TYPE_CHECKING:  # gateway.jobs imports gateway.state, which imports this module
+    from gateway.jobs.models import JobsSummary
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -43,6 +47,12 @@ class Metrics:
         worker_kv_blocks_used: ``sluice_worker_kv_blocks_used{worker}``.
         worker_running: ``sluice_worker_requests_running{worker}``; worker_waiting likewise.
         queue_time: ``sluice_queue_time_seconds{tier}`` arrival → admission of each admitted choice.
+        jobs: ``sluice_jobs{status}`` jobs in the store by status (queued, running, succeeded, failed, cancelled,
+            expired; finished ones until their retention ends), set by :meth:`observe_jobs` on every scrape.
+        jobs_oldest_queued_age: ``sluice_jobs_oldest_queued_age_seconds`` wait of the oldest queued job.
+        batches_in_progress: ``sluice_batches_in_progress`` batches not in a final status.
+        jobs_finished: ``sluice_jobs_finished_total{status}`` jobs this gateway's runner ran to ``succeeded`` or
+            ``failed`` since it started.
 
     Read at scrape time (:class:`StateCollector`, once :meth:`attach_state` is called):
     ``sluice_pressure_level`` (0 normal, 1 elevated, 2 critical), ``sluice_queue_depth{tier}``,
@@ -84,6 +94,12 @@ class Metrics:
                                     ["worker"], registry=r)
         self.queue_time = Histogram("sluice_queue_time_seconds", "Arrival to admission of admitted requests",
                                     ["tier"], buckets=_QUEUE_BUCKETS_S, registry=r)
+        self.jobs = Gauge("sluice_jobs", "Jobs in the job store by status", ["status"], registry=r)
+        self.jobs_oldest_queued_age = Gauge("sluice_jobs_oldest_queued_age_seconds",
+                                            "Wait of the oldest queued job", registry=r)
+        self.batches_in_progress = Gauge("sluice_batches_in_progress", "Batches not in a final status", registry=r)
+        self.jobs_finished = Counter("sluice_jobs_finished", "Jobs this gateway's runner finished, by status",
+                                     ["status"], registry=r)
         self._state_collector: StateCollector | None = None
 
     def attach_state(self, admission_stats: Callable[[], AdmissionStats],
@@ -110,6 +126,20 @@ class Metrics:
         self.worker_kv_blocks_used.labels(worker).set(capacity.used_kv_blocks)
         self.worker_running.labels(worker).set(capacity.num_running)
         self.worker_waiting.labels(worker).set(capacity.num_waiting)
+
+    def observe_jobs(self, summary: JobsSummary) -> None:
+        """Set the job gauges from the store's summary (a status the store does not count is left out)."""
+        for status in ("queued", "running", "succeeded", "failed", "cancelled", "expired"):
+            count = getattr(summary, status)
+            if count is not None:
+                self.jobs.labels(status).set(count)
+        if summary.oldest_queued_age_s is not None:
+            self.jobs_oldest_queued_age.set(summary.oldest_queued_age_s)
+        self.batches_in_progress.set(summary.batches_in_progress)
+
+    def job_finished(self, status: str) -> None:
+        """Count a job this gateway's runner finished (``succeeded`` or ``failed``)."""
+        self.jobs_finished.labels(status).inc()
 
     def render(self) -> bytes:
         """Return the text exposition format of every metric."""

@@ -2,6 +2,8 @@
 
 structlog key-value events either way (never prompt text). ``SLUICE_LOG_FORMAT=console`` or ``json`` chooses
 explicitly (e.g. JSON on a terminal for piping into jq, or console lines under a process supervisor).
+``SLUICE_LOG_LEVEL`` (``debug``, ``info`` — the default —, ``warning``, ``error``) drops events below it: health
+and metrics polls and expected connect retries log at debug.
 """
 
 from __future__ import annotations
@@ -16,6 +18,20 @@ import msgspec
 import structlog
 
 LOG_FORMATS = ("console", "json")
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def choose_log_level(environ: dict[str, str] | None = None) -> int:
+    """Return the stdlib level ``$SLUICE_LOG_LEVEL`` names (default ``info``).
+
+    Raises:
+        ValueError: ``SLUICE_LOG_LEVEL`` is not one of :data:`LOG_LEVELS`.
+    """
+    chosen = (os.environ if environ is None else environ).get("SLUICE_LOG_LEVEL", "").strip().lower() or "info"
+    if chosen not in LOG_LEVELS:
+        raise ValueError(f"SLUICE_LOG_LEVEL={chosen!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return LOG_LEVELS[chosen]
+
 
 _LOG_ENCODER = msgspec.json.Encoder(enc_hook=repr)
 
@@ -46,14 +62,15 @@ def choose_log_format(stream: TextIO, environ: dict[str, str] | None = None) -> 
 
 def configure_logging(stream: TextIO | None = None, environ: dict[str, str] | None = None) -> str:
     """Send stdlib logging and structlog to ``stream`` (default stderr) in the format :func:`choose_log_format`
-    picks; return that format.
+    picks, dropping events below :func:`choose_log_level`; return that format.
 
     Raises:
-        ValueError: ``SLUICE_LOG_FORMAT`` is neither ``console`` nor ``json``.
+        ValueError: ``SLUICE_LOG_FORMAT`` is neither ``console`` nor ``json``, or ``SLUICE_LOG_LEVEL`` is unknown.
     """
     stream = sys.stderr if stream is None else stream
     log_format = choose_log_format(stream, environ)
-    logging.basicConfig(level=logging.INFO, stream=stream, format="%(message)s")
+    level = choose_log_level(environ)
+    logging.basicConfig(level=level, stream=stream, format="%(message)s")
     processors: list = [structlog.processors.TimeStamper(fmt="iso"), structlog.processors.add_log_level]
     if log_format == "console":
         isatty = getattr(stream, "isatty", None)
@@ -61,5 +78,5 @@ def configure_logging(stream: TextIO | None = None, environ: dict[str, str] | No
     else:
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(serializer=log_line_json)]
     structlog.configure(processors=processors, logger_factory=structlog.PrintLoggerFactory(stream),
-                        cache_logger_on_first_use=True)
+                        wrapper_class=structlog.make_filtering_bound_logger(level), cache_logger_on_first_use=True)
     return log_format

@@ -31,6 +31,9 @@ from shared.protocol import Capacity, Hello
 
 log = structlog.get_logger("sluice.worker")
 
+SIMULATOR_WARNING = ("worker.backend = \"sim\": this worker is the roofline SIMULATOR, not a model; it answers "
+                     "under the model's name with random tokens, timed as the simulated GPU would run them")
+
 GIB = 1024**3
 
 
@@ -90,6 +93,8 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
 
         runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
         offload = None  # the simulator has no KV tensor to move
+        log.warning("simulator_backend", worker_id=worker_id, model=config.model.name, device=device_name,
+                    message=SIMULATOR_WARNING)
     else:
         import torch
 

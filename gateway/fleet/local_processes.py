@@ -172,9 +172,11 @@ class LocalProcesses:
                 return
             log.info("local_worker_spawned", pool=runtime.name, worker_id=lw.worker_id, pid=lw.process.pid,
                      device=lw.device, start_method=self._spawner.method)
+            timeout_s = self.config.gateway.worker_start_timeout_s
+            waited_s = await self._wait_socket(lw, timeout_s)
             lw.client.start()
             runtime.pool.add_client(lw.client)
-            if await self._wait_hello(lw):
+            if await self._wait_hello(lw, max(FIRST_CONNECT_INTERVAL_S, timeout_s - waited_s)):
                 self._on_ready(runtime, lw)
             returncode = await lw.process.wait()
             if not lw.stopping:
@@ -190,9 +192,21 @@ class LocalProcesses:
             await lw.client.close()
             self._on_exit()
 
-    async def _wait_hello(self, lw: LocalWorker) -> bool:
-        """Return True once the worker said Hello; False when it exited or timed out first (then it is killed)."""
-        timeout_s = self.config.gateway.worker_start_timeout_s
+    @staticmethod
+    async def _wait_socket(lw: LocalWorker, timeout_s: float) -> float:
+        """Wait until the worker's socket file exists, the worker exits or ``timeout_s`` passes; return the seconds
+        waited. Connecting before the worker listens fails with ENOENT, an expected part of its cold start that the
+        client would otherwise log as a connect retry."""
+        loop = asyncio.get_running_loop()
+        started_s = loop.time()
+        while (not os.path.exists(lw.socket_path) and lw.process is not None and lw.process.returncode is None
+               and loop.time() - started_s < timeout_s):
+            await asyncio.sleep(FIRST_CONNECT_INTERVAL_S)
+        return loop.time() - started_s
+
+    async def _wait_hello(self, lw: LocalWorker, timeout_s: float) -> bool:
+        """Return True once the worker said Hello within ``timeout_s``; False when it exited or timed out first
+        (then it is killed)."""
         hello = asyncio.ensure_future(lw.client.wait_ready(timeout_s))
         exited = asyncio.ensure_future(lw.process.wait())
         try:
@@ -204,7 +218,8 @@ class LocalProcesses:
         if hello not in done:
             return False
         if not hello.result():
-            log.error("local_worker_start_timeout", worker_id=lw.worker_id, timeout_s=timeout_s)
+            log.error("local_worker_start_timeout", worker_id=lw.worker_id,
+                      timeout_s=self.config.gateway.worker_start_timeout_s)
             lw.process.kill()
             return False
         return True

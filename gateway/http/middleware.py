@@ -12,6 +12,7 @@ behind several gateways sharing a port (``gateway.reuse_port``) or a load balanc
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -102,10 +103,35 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     finally:
         endpoint = _endpoint(request)
         request.app[METRICS].requests.labels(endpoint, str(status)).inc()
-        if endpoint.startswith("/v1/") or status >= 400:
+        level = request_log_level(request.path, endpoint, status)
+        if level is not None:
             duration_ms = round((time.perf_counter() - started_s) * 1000, 2)
-            log.info("request", request_id=request_id, method=request.method, path=request.path, status=status,
-                     duration_ms=duration_ms, **request[REQUEST_LOG])
+            log.log(level, "request", request_id=request_id, method=request.method, path=request.path,
+                    status=status, duration_ms=duration_ms, **request[REQUEST_LOG])
+
+
+POLL_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics", "/status"})  # balancers, Prometheus, the page
+UNLOGGED_PATHS = frozenset({"/favicon.ico"})  # browsers ask for it on every page; it says nothing about the gateway
+
+
+def request_log_level(path: str, endpoint: str, status: int) -> int | None:
+    """Return the level of a request's log line, or None for no line.
+
+    Polls (:data:`POLL_PATHS`) log at debug whatever their status (a readiness probe answers 503 while workers
+    start); the favicon never; the API (``/v1/…``) and any other 4xx / 5xx at info; everything else not at all.
+
+    Args:
+        path: the request path.
+        endpoint: the route's canonical path, or "unmatched".
+        status: the response status (499 when the client went away).
+    """
+    if path in UNLOGGED_PATHS:
+        return None
+    if path in POLL_PATHS:
+        return logging.DEBUG
+    if endpoint.startswith("/v1/") or status >= 400:
+        return logging.INFO
+    return None
 
 
 async def add_gateway_header(request: web.Request, response: web.StreamResponse) -> None:

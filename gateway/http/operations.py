@@ -7,6 +7,8 @@ import time
 import msgspec
 from aiohttp import web
 
+from gateway.jobs.api import JOBS
+from gateway.jobs.models import JobsSummary
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, POOL, STARTED_AT, TIER_COUNTERS
 from shared.errors import ErrorCode, SluiceError
 
@@ -40,6 +42,11 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def favicon(request: web.Request) -> web.Response:
+    """``GET /favicon.ico``: 204 (browsers ask for it with every page; the gateway has no icon)."""
+    return web.Response(status=204)
+
+
 async def readyz(request: web.Request) -> web.Response:
     """``GET /readyz``: 200 once a worker said Hello — or when a pool scales from zero and can start one (requests
     wait through its cold start) — else 503 (also while draining, so balancers stop sending)."""
@@ -56,7 +63,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """``GET /status``: JSON snapshot of the model, pressure, admission queues per tier, and the workers with
     their breaker state and last capacity (``backend: "sim"``, ``simulator: true`` for the roofline simulator);
-    ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis
+    ``jobs``, the job store's counts by status (:class:`~gateway.jobs.models.JobsSummary`; null without a job
+    store); ``gateway_id`` and ``fleet_tiers``, the tier counts of every gateway sharing Redis
     (``gateway.admission.tier_counters``)."""
     app = request.app
     config = app[CONFIG]
@@ -74,10 +82,21 @@ async def status(request: web.Request) -> web.Response:
         "fleet": fleet.snapshot(),
         "gateway_id": app[GATEWAY_ID],
         "fleet_tiers": app[TIER_COUNTERS].snapshot(),  # per tier summed over the gateways sharing Redis
+        "jobs": await _jobs_summary(app),
     }, dumps=_dumps)
 
 
+async def _jobs_summary(app: web.Application) -> JobsSummary | None:
+    """Return the job store's summary (None when the app has no job store), and set the job gauges from it."""
+    if JOBS not in app:
+        return None
+    summary = await app[JOBS].store.summary(time.time())
+    app[METRICS].observe_jobs(summary)
+    return summary
+
+
 async def metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text format."""
+    """``GET /metrics``: Prometheus text format (the job gauges read the job store first)."""
+    await _jobs_summary(request.app)
     return web.Response(body=request.app[METRICS].render(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

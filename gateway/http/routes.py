@@ -7,7 +7,7 @@ from aiohttp import web
 
 from gateway.http import dashboard
 from gateway.http.completions import chat_completions, completions
-from gateway.http.operations import healthz, metrics, model, models, readyz, status
+from gateway.http.operations import favicon, healthz, metrics, model, models, readyz, status
 
 
 def add_routes(app: web.Application, cors_allow_origins: tuple[str, ...] = ()) -> None:
@@ -21,6 +21,7 @@ def add_routes(app: web.Application, cors_allow_origins: tuple[str, ...] = ()) -
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/favicon.ico", favicon)
     dashboard.add_routes(app.router)  # GET / and /dashboard: the status page
 
 

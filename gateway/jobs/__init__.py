@@ -20,7 +20,7 @@ from gateway.jobs.api import JOBS, JobsService, setup_job_routes
 from gateway.jobs.batches import finalize_batch, setup_batch_routes
 from gateway.jobs.runner import JobRunner, PoolIdleCapacity
 from gateway.jobs.stores import make_store
-from gateway.state import ADMISSION, CONFIG, PIPELINE, POOL
+from gateway.state import ADMISSION, CONFIG, METRICS, PIPELINE, POOL
 from gateway.pipeline.classify import Principal
 from shared.config import effective_tiers
 
@@ -59,7 +59,7 @@ async def _jobs_ctx(app: web.Application) -> AsyncIterator[None]:
         return admission.draining or admission.pressure.sheds(principal.tier.name)
 
     capacity = PoolIdleCapacity(queue_depths, lambda: app[POOL].clients, jobs_blocked)
-    runner = JobRunner(store, config.jobs, execute, capacity, finalize)
+    runner = JobRunner(store, config.jobs, execute, capacity, finalize, on_finished=app[METRICS].job_finished)
     service = JobsService(store=store, runner=runner, config=config)
     app[JOBS] = service
     runner.start()

@@ -4,8 +4,9 @@
   larger first; default 0) and ``metadata`` (≤ 16 string pairs). → 202, the job object, ``Location``.
 - ``GET /v1/jobs/{id}``: the job; ``result`` is the full chat.completion once ``succeeded``.
 - ``GET /v1/jobs?limit=&after=``: the caller's jobs, newest first, OpenAI list pagination.
-- ``DELETE /v1/jobs/{id}``: cancel. Queued → ``cancelled``; running → ``cancelled`` and aborted on its worker (at
-  once in this gateway, at the next heartbeat in another one); already final → returned unchanged.
+- ``DELETE /v1/jobs/{id}``: cancel or delete. Queued → ``cancelled``; running → ``cancelled`` and aborted on its
+  worker (at once in this gateway, at the next heartbeat in another one); already final → deleted (``job.deleted``;
+  a later GET answers 404).
 
 **Ownership.** A job, file or batch belongs to the API key that created it (stored as a SHA-256 digest; no key →
 ``anonymous``); any other key gets 404, never 403, so ids cannot be probed. With ``admission.require_api_key`` an
@@ -246,13 +247,16 @@ async def list_jobs(request: web.Request) -> web.Response:
     return json_response(list_view([job_view(job) for job in jobs], has_more))
 
 
-async def cancel_job(request: web.Request) -> web.Response:
-    """``DELETE /v1/jobs/{job_id}``: cancel in any state (a final job is returned unchanged)."""
+async def delete_job(request: web.Request) -> web.Response:
+    """``DELETE /v1/jobs/{job_id}``: cancel an unfinished job (200, the job, now ``cancelled``); delete a finished
+    one (200, ``{"id", "object": "job.deleted", "deleted": true}``; a later GET answers 404)."""
     service = request.app[JOBS]
     job = await _owned_job(request)
     if not job.is_final:
         await service.runner.cancel(job)
-    return _job_response(await service.store.get_job(job.id) or job)
+        return _job_response(await service.store.get_job(job.id) or job)
+    deleted = await service.store.delete_job(job.id)
+    return json_response({"id": job.id, "object": "job.deleted", "deleted": deleted})
 
 
 # ---------------------------------------------------------------------------------------------- deferral
@@ -293,4 +297,4 @@ def setup_job_routes(app: web.Application) -> None:
     app.router.add_post("/v1/jobs", create_job)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", get_job)
-    app.router.add_delete("/v1/jobs/{job_id}", cancel_job)
+    app.router.add_delete("/v1/jobs/{job_id}", delete_job)

@@ -111,6 +111,30 @@ class Job(msgspec.Struct, kw_only=True):
         return self.status in JOB_FINAL_STATUSES
 
 
+class JobsSummary(msgspec.Struct, kw_only=True):
+    """What the job store holds now, by job status (``/status`` → ``jobs``, the ``sluice_jobs`` gauges).
+
+    Counts cover every owner and every gateway sharing the store; finished jobs count until their retention ends.
+    A field is None when the store cannot answer it without a scan (the Redis store counts only unfinished jobs).
+
+    Attributes:
+        queued, running: unfinished jobs (batch lines included).
+        succeeded, failed, cancelled, expired: finished jobs still retained, or None.
+        oldest_queued_age_s: seconds the oldest queued job has waited since it was created (0.0 when none are
+            queued), or None.
+        batches_in_progress: batches not in a final status.
+    """
+
+    queued: int
+    running: int
+    succeeded: int | None = None
+    failed: int | None = None
+    cancelled: int | None = None
+    expired: int | None = None
+    oldest_queued_age_s: float | None = None
+    batches_in_progress: int = 0
+
+
 class FileRecord(msgspec.Struct, kw_only=True):
     """An uploaded or generated file (OpenAI ``FileObject``); the content is stored next to it.
 

@@ -44,6 +44,7 @@ from gateway.jobs.models import (
     Batch,
     FileRecord,
     Job,
+    JobsSummary,
 )
 from gateway.jobs.store import JobStore, TooManyJobsError
 
@@ -428,6 +429,32 @@ class RedisJobStore(JobStore):
             args=[status, repr(now_s), result, "null" if error is None else json.dumps(error), status_code,
                   request_id, self.prefix, repr(retention_s), job_id])
         return bool(int(written))
+
+    async def delete_job(self, job_id: str) -> bool:
+        """See :meth:`JobStore.delete_job`."""
+        job = await self.get_job(job_id)
+        if job is None or not job.is_final:
+            return False
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key("job", job_id))
+            pipe.zrem(self._key("owner", job.owner, "jobs"), job_id)
+            deleted, *_ = await pipe.execute()
+        return bool(deleted)
+
+    async def summary(self, now_s: float) -> JobsSummary:
+        """See :meth:`JobStore.summary`: unfinished = the sum of ``P:active``, running = the consumer group's
+        pending entries (``XPENDING``) over the priority streams; finished counts and the oldest queued age are
+        None (they need a scan)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hvals(self._key("active"))
+            pipe.scard(self._key("open_batches"))
+            for priority in range(MIN_PRIORITY, MAX_PRIORITY + 1):
+                pipe.xpending(self._queue_key(priority), GROUP)
+            active_counts, num_batches, *pending = await pipe.execute(raise_on_error=False)
+        num_active = sum(int(value) for value in active_counts)
+        num_running = sum(int(entry["pending"]) for entry in pending if isinstance(entry, dict))
+        return JobsSummary(queued=max(0, num_active - num_running), running=num_running,
+                           batches_in_progress=int(num_batches))
 
     async def batch_jobs(self, batch_id: str) -> list[Job]:
         """See :meth:`JobStore.batch_jobs`."""

@@ -92,10 +92,13 @@ class JobRunner:
         capacity: the idle-capacity gate.
         finalize_batch: called after a batch line finishes and periodically for every open batch.
         clock: Unix time in seconds (records use wall-clock time: they are shared across processes).
+        on_finished: called with ``succeeded`` or ``failed`` each time this runner writes a job's result
+            (the ``sluice_jobs_finished_total`` counter).
     """
 
     def __init__(self, store: JobStore, config: JobsConfig, execute: Executor, capacity: IdleCapacity,
-                 finalize_batch: BatchFinalizer, clock: Callable[[], float] = time.time) -> None:
+                 finalize_batch: BatchFinalizer, clock: Callable[[], float] = time.time,
+                 on_finished: Callable[[str], None] = lambda status: None) -> None:
         self.store = store
         self.config = config
         self.runner_id = f"runner-{uuid.uuid4().hex[:12]}"
@@ -103,6 +106,7 @@ class JobRunner:
         self._capacity = capacity
         self._finalize_batch = finalize_batch
         self._clock = clock
+        self._on_finished = on_finished
         self._running: dict[str, asyncio.Task[None]] = {}  # job id → its run task
         self._unadmitted: set[str] = set()  # running here, not yet holding room on a worker
         self._cancelled_here: set[str] = set()  # jobs whose final state someone else wrote (cancel, lease lost)
@@ -245,6 +249,7 @@ class JobRunner:
                                               request_id=request_id, retention_s=self.retention_s)
             if written:
                 self.num_succeeded += 1
+                self._on_finished(SUCCEEDED)
             log.info("job_finished", job_id=job.id, status=SUCCEEDED if written else "lost_race",
                      request_id=request_id)
             if job.batch_id:
@@ -275,6 +280,7 @@ class JobRunner:
                                           request_id=request_id, retention_s=self.retention_s)
         if written:
             self.num_failed += 1
+            self._on_finished(FAILED)
         log.info("job_finished", job_id=job.id, status=FAILED if written else "lost_race", code=error.get("code"),
                  request_id=request_id or None)
         if job.batch_id:

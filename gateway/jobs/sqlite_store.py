@@ -21,12 +21,17 @@ import msgspec
 
 from gateway.jobs.models import (
     BATCH_FINAL_STATUSES,
+    CANCELLED,
+    EXPIRED,
+    FAILED,
+    JOB_FINAL_STATUSES,
     QUEUED,
     RUNNING,
     SUCCEEDED,
     Batch,
     FileRecord,
     Job,
+    JobsSummary,
 )
 from gateway.jobs.store import JobStore, TooManyJobsError
 
@@ -337,6 +342,38 @@ class SqliteJobStore(JobStore):
             return True
 
         return await self._tx(finish)
+
+    async def delete_job(self, job_id: str) -> bool:
+        """See :meth:`JobStore.delete_job`."""
+        final = sorted(JOB_FINAL_STATUSES)
+        cursor = await self._run(lambda c: c.execute(
+            f"DELETE FROM jobs WHERE id = ? AND status IN ({', '.join('?' * len(final))})", (job_id, *final)))
+        return cursor.rowcount > 0
+
+    async def summary(self, now_s: float) -> JobsSummary:
+        """See :meth:`JobStore.summary`: one ``GROUP BY status`` over the jobs (index ``jobs_ready``) and one count
+        of the open batches."""
+        final = sorted(BATCH_FINAL_STATUSES)
+
+        def count(conn: sqlite3.Connection) -> tuple[dict[str, int], float | None, int]:
+            num_by_status: dict[str, int] = {}
+            oldest_created_at: float | None = None
+            for row in conn.execute("SELECT status, COUNT(*) AS n, MIN(created_at) AS oldest FROM jobs "
+                                    "GROUP BY status"):
+                num_by_status[row["status"]] = int(row["n"])
+                if row["status"] == QUEUED:
+                    oldest_created_at = float(row["oldest"])
+            num_batches = conn.execute(
+                f"SELECT COUNT(*) FROM batches WHERE status NOT IN ({', '.join('?' * len(final))})",
+                final).fetchone()[0]
+            return num_by_status, oldest_created_at, int(num_batches)
+
+        num_by_status, oldest_created_at, num_batches = await self._run(count)
+        oldest_age_s = 0.0 if oldest_created_at is None else max(0.0, now_s - oldest_created_at)
+        return JobsSummary(queued=num_by_status.get(QUEUED, 0), running=num_by_status.get(RUNNING, 0),
+                           succeeded=num_by_status.get(SUCCEEDED, 0), failed=num_by_status.get(FAILED, 0),
+                           cancelled=num_by_status.get(CANCELLED, 0), expired=num_by_status.get(EXPIRED, 0),
+                           oldest_queued_age_s=round(oldest_age_s, 3), batches_in_progress=num_batches)
 
     async def batch_jobs(self, batch_id: str) -> list[Job]:
         """See :meth:`JobStore.batch_jobs`."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from gateway.jobs.models import Batch, FileRecord, Job
+from gateway.jobs.models import Batch, FileRecord, Job, JobsSummary
 
 
 class TooManyJobsError(Exception):
@@ -148,6 +148,21 @@ class JobStore(abc.ABC):
         Returns:
             True when this call wrote the final state; False when the job already had one (first writer wins) or
             does not exist.
+        """
+
+    @abc.abstractmethod
+    async def delete_job(self, job_id: str) -> bool:
+        """Delete a finished job now (before its retention ends); return whether a finished job went.
+
+        An unfinished job is left alone (cancel it first): the call returns False.
+        """
+
+    @abc.abstractmethod
+    async def summary(self, now_s: float) -> JobsSummary:
+        """Return the counts of jobs by status and of batches in progress, over the whole store.
+
+        Args:
+            now_s: Unix seconds, for ``oldest_queued_age_s``.
         """
 
     @abc.abstractmethod

@@ -1,11 +1,12 @@
 """The status page (``GET /``, ``GET /dashboard``) in a real headless Chromium against a real gateway.
 
-A ``sluice serve`` with one sim worker takes a mixed-tier load (some of it rejected) while Chromium, driven over
-the Chrome DevTools Protocol, shows the page. Then:
+A ``sluice serve`` with one sim worker runs two jobs, then takes a mixed-tier load (some of it rejected) while
+Chromium, driven over the Chrome DevTools Protocol, shows the page. Then:
 
-- under load: a screenshot goes to ``bench/results/dashboard.png``; every section is filled, the sim worker is
-  labelled SIMULATOR, the charts have points; counters and static numbers on the page lie between two ``/status``
-  fetched just before and just after the page's own refresh; the admitted rate agrees with the test's own samples;
+- under load: a screenshot goes to ``bench/results/dashboard.png``; every section is filled (Jobs shows the two
+  succeeded jobs), the sim worker is labelled SIMULATOR, the charts have points; counters and static numbers on
+  the page lie between two ``/status`` fetched just before and just after the page's own refresh; the admitted
+  rate agrees with the test's own samples;
 - once idle: every number on the page (gauges too) lies between two such ``/status`` snapshots, and every number
   ``/status`` carries is on the page, with visible text that matches its ``data-value``.
 
@@ -173,6 +174,29 @@ async def mixed_tier_load(base_url: str) -> AsyncIterator[dict[int, int]]:
             for task in done:
                 if task.exception() is not None:
                     raise task.exception()
+
+
+NUM_JOBS = 2
+JOBS_TIMEOUT_S = 60.0
+
+
+async def run_jobs(session: aiohttp.ClientSession, base_url: str, num_jobs: int) -> None:
+    """Submit ``num_jobs`` small jobs (``POST /v1/jobs``) and wait until every one succeeded."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Name a tea."}], "max_tokens": 4}
+    job_ids = []
+    for _ in range(num_jobs):
+        async with session.post(f"{base_url}/v1/jobs", json=body) as response:
+            assert response.status == 202, await response.text()
+            job_ids.append((await response.json())["id"])
+    deadline = time.monotonic() + JOBS_TIMEOUT_S
+    for job_id in job_ids:
+        while True:
+            async with session.get(f"{base_url}/v1/jobs/{job_id}") as response:
+                job = await response.json()
+            if job["status"] == "succeeded":
+                break
+            assert job["status"] in ("queued", "running") and time.monotonic() < deadline, job
+            await asyncio.sleep(0.2)
 
 
 async def get_status(session: aiohttp.ClientSession, base_url: str) -> dict:
@@ -413,6 +437,7 @@ async def test_status_page_matches_status_in_headless_chromium(sim_server, chrom
         await page.send("Emulation.setDeviceMetricsOverride", width=WINDOW_WIDTH_PX, height=WINDOW_HEIGHT_PX,
                         deviceScaleFactor=1, mobile=False)
         samples: list[tuple[float, int]] = []
+        await run_jobs(session, base_url, NUM_JOBS)
         async with mixed_tier_load(base_url) as outcomes:
             await asyncio.sleep(LOAD_WARMUP_S)
             await page.send("Page.navigate", url=base_url + "/")
@@ -447,8 +472,9 @@ async def test_status_page_matches_status_in_headless_chromium(sim_server, chrom
         assert any(sum(t["rejected"].values()) for t in busy["admission"]["tiers"].values())
 
         # Every section filled, the simulator labelled, every chart drawn from several polls.
-        has_jobs = bool(_job_counts(busy))
-        assert sections == {"pressure": True, "tiers": True, "workers": True, "jobs": has_jobs}, sections
+        assert _job_counts(busy)["succeeded"] >= NUM_JOBS
+        assert sections == {"pressure": True, "tiers": True, "workers": True, "jobs": True}, sections
+        assert float(dom_busy["jobs.succeeded"]["value"]) >= NUM_JOBS
         assert simulator_badges == ["SIMULATOR"] and sim_banner_shown
         for chart in charts:
             assert chart["series"] >= 1 and chart["points"] >= 5, charts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -143,6 +144,23 @@ def test_exposed_series_maps_suffixes_to_families():
     assert labels == {"h_seconds": {"tier"}, "g": {"worker"}}
 
 
+def _run_one_job(base_url: str, timeout_s: float = 60.0) -> None:
+    """Submit one small job (``POST /v1/jobs``) and wait until it succeeded (the job metrics get samples)."""
+    body = json.dumps({"model": MODEL_NAME, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "Name a tea."}]}).encode()
+    request = urllib.request.Request(base_url + "/v1/jobs", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        job_id = json.loads(response.read())["id"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{base_url}/v1/jobs/{job_id}", timeout=10) as response:
+            status = json.loads(response.read())["status"]
+        if status == "succeeded":
+            return
+        assert status in ("queued", "running") and time.monotonic() < deadline, status
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def metrics_text(tmp_path_factory) -> str:
     """``/metrics`` of a live sim gateway after a few streamed and plain completions."""
@@ -154,6 +172,7 @@ def metrics_text(tmp_path_factory) -> str:
                                              {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as response:
                 response.read()
+        _run_one_job(server.base_url)
         server.wait_for_capacity(lambda c: c is not None and c["num_running"] == 0, timeout_s=10)
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as response:
             return response.read().decode()
@@ -185,3 +204,12 @@ def test_every_dashboard_metric_exists_on_metrics(metrics_text):
                 bad_labels.append(f"{where}: {name} has labels {sorted(labels[family])}, not {sorted(used)}")
     assert not missing, "metrics the dashboard queries but /metrics lacks:\n" + "\n".join(missing)
     assert not bad_labels, "\n".join(bad_labels)
+
+
+def test_dashboard_shows_jobs(metrics_text):
+    dashboard = json.loads(DASHBOARD_PATH.read_text())
+    queried = set().union(*(metric_names(expr) for _, expr in dashboard_queries(dashboard)))
+    assert {"sluice_jobs", "sluice_jobs_finished_total", "sluice_jobs_oldest_queued_age_seconds"} <= queried
+    series, labels = exposed_series(metrics_text)
+    assert labels["sluice_jobs"] == {"status"} and labels["sluice_jobs_finished_total"] == {"status"}
+    assert 'sluice_jobs_finished_total{status="succeeded"} 1.0' in metrics_text

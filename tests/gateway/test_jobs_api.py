@@ -1,4 +1,5 @@
-"""``/v1/jobs``, ownership, limits, cancel in every state, deferral of shed requests, and a worker killed mid-job.
+"""``/v1/jobs``, ownership, limits, delete / cancel in every state, the jobs in ``/status`` and ``/metrics``,
+deferral of shed requests, and a worker killed mid-job.
 
 One real gateway with one local **sim** worker (the roofline simulator, slowed down with ``sim.time_scale`` so a
 token takes about 0.34 s and 2 sequences fill it): the behaviour under test is the gateway's, and the simulator
@@ -12,6 +13,7 @@ import concurrent.futures
 import os
 import signal
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -145,19 +147,23 @@ def test_invalid_jobs_are_4xx_naming_the_field(server):
         assert got == status and error["error"]["param"] == param, error
 
 
-def test_cancel_works_in_every_state(server):
+def test_delete_deletes_a_finished_job_and_cancels_an_unfinished_one(server):
     key = f"key-{uuid.uuid4().hex}"
-    # succeeded → unchanged
+    # succeeded → deleted: a later GET and DELETE answer 404
     done = _submit(server, key)
     server.wait_job(done["id"], key, {"succeeded"}, timeout_s=30)
-    status, job = server.delete(f"/v1/jobs/{done['id']}", key)
-    assert status == 200 and job["status"] == "succeeded" and job["result"]
-    # failed (prompt longer than the context: 400 at run time) → unchanged
+    status, deleted = server.delete(f"/v1/jobs/{done['id']}", key)
+    assert status == 200 and deleted == {"id": done["id"], "object": "job.deleted", "deleted": True}
+    assert server.get(f"/v1/jobs/{done['id']}", key)[0] == 404
+    assert server.delete(f"/v1/jobs/{done['id']}", key)[0] == 404
+    assert all(j["id"] != done["id"] for j in server.get("/v1/jobs", key)[1]["data"])
+    # failed (prompt longer than the context: 400 at run time) → deleted
     long_job = server.post("/v1/jobs", chat_body("tea " * 3000, 4), key)[2]
     failed = server.wait_job(long_job["id"], key, {"failed", "succeeded"}, timeout_s=30)
     assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
-    assert server.delete(f"/v1/jobs/{long_job['id']}", key)[1]["status"] == "failed"
-    # running (2 fill the worker) and queued (the third finds no room)
+    assert server.delete(f"/v1/jobs/{long_job['id']}", key)[1]["deleted"] is True
+    assert server.get(f"/v1/jobs/{long_job['id']}", key)[0] == 404
+    # running (2 fill the worker) and queued (the third finds no room) → cancelled, still readable
     running = [_submit(server, key, max_tokens=200) for _ in range(2)]
     for job in running:
         server.wait_job(job["id"], key, {"running"}, timeout_s=30)
@@ -171,10 +177,40 @@ def test_cancel_works_in_every_state(server):
         status, cancelled = server.delete(f"/v1/jobs/{job['id']}", key)
         assert status == 200 and cancelled["status"] == "cancelled" and cancelled["error"]["code"] == "cancelled"
     _wait(lambda: _worker_running(server) == 0, 5, "cancelled running jobs were not aborted on the worker")
-    # cancelled → unchanged, and never run afterwards
-    assert server.delete(f"/v1/jobs/{queued['id']}", key)[1]["status"] == "cancelled"
+    # cancelled: never run afterwards; a second DELETE deletes it
     time.sleep(0.5)
-    assert server.get(f"/v1/jobs/{queued['id']}", key)[1]["attempts"] == 0
+    status, still = server.get(f"/v1/jobs/{queued['id']}", key)
+    assert status == 200 and still["status"] == "cancelled" and still["attempts"] == 0
+    assert server.delete(f"/v1/jobs/{queued['id']}", key)[1]["deleted"] is True
+    assert server.get(f"/v1/jobs/{queued['id']}", key)[0] == 404
+
+
+def _metric_value(text: str, sample: str) -> float | None:
+    """Return the value of the exposition line that starts with ``sample`` (name and labels), or None."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_status_and_metrics_count_jobs_by_status(server):
+    key = f"key-{uuid.uuid4().hex}"
+    before = server.status()["jobs"]
+    jobs = [_submit(server, key) for _ in range(2)]
+    for job in jobs:
+        server.wait_job(job["id"], key, {"succeeded"}, timeout_s=30)
+    summary = server.status()["jobs"]
+    assert set(summary) == {"queued", "running", "succeeded", "failed", "cancelled", "expired",
+                            "oldest_queued_age_s", "batches_in_progress"}
+    assert summary["succeeded"] >= before["succeeded"] + 2
+    assert summary["queued"] >= 0 and summary["running"] >= 0 and summary["oldest_queued_age_s"] >= 0.0
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert _metric_value(text, 'sluice_jobs{status="succeeded"}') >= summary["succeeded"]
+    assert _metric_value(text, 'sluice_jobs{status="queued"}') is not None
+    assert _metric_value(text, "sluice_batches_in_progress") is not None
+    assert _metric_value(text, "sluice_jobs_oldest_queued_age_seconds") is not None
+    assert _metric_value(text, 'sluice_jobs_finished_total{status="succeeded"}') >= 2
 
 
 def test_unfinished_jobs_per_key_are_limited(server):

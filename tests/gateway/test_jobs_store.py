@@ -219,3 +219,37 @@ async def test_due_jobs_lists_unfinished_jobs_past_their_window(store):
     late = Job(id=new_job_id(), owner="alice", kind="chat", body=b"{}", created_at=now_s, expires_at=now_s - 1)
     await store.add_jobs([late, _job()], 100)
     assert await store.due_jobs(now_s, 10) == [late.id]
+
+
+async def test_summary_counts_jobs_by_status_and_open_batches(store):
+    queued, running, done, cancelled = _job(), _job(), _job(), _job()
+    batch = Batch(id=new_batch_id(), owner="alice", input_file_id="file-x", endpoint="/v1/chat/completions",
+                  status=IN_PROGRESS, created_at=time.time(), num_total=0)
+    await store.add_jobs([queued, running, done, cancelled], 100, batch=batch)
+    now_s = time.time()
+    first = await store.claim("r1", 60.0, now_s)
+    second = await store.claim("r1", 60.0, now_s)
+    await store.finish(first.id, SUCCEEDED, now_s, retention_s=RETENTION_S)
+    third = await store.claim("r1", 60.0, now_s)
+    await store.finish(third.id, CANCELLED, now_s, retention_s=RETENTION_S)
+    summary = await store.summary(now_s + 5.0)
+    assert (summary.queued, summary.running, summary.batches_in_progress) == (1, 1, 1)
+    assert second is not None
+    if isinstance(store, SqliteJobStore):
+        assert (summary.succeeded, summary.failed, summary.cancelled, summary.expired) == (1, 0, 1, 0)
+        assert summary.oldest_queued_age_s >= 5.0
+    else:
+        assert summary.succeeded is None and summary.oldest_queued_age_s is None
+
+
+async def test_delete_job_deletes_only_finished_jobs(store):
+    unfinished, finished = _job(), _job()
+    await store.add_jobs([unfinished, finished], 100)
+    await store.finish(finished.id, SUCCEEDED, time.time(), retention_s=RETENTION_S)
+    assert await store.delete_job(unfinished.id) is False
+    assert await store.get_job(unfinished.id) is not None
+    assert await store.delete_job(finished.id) is True
+    assert await store.get_job(finished.id) is None
+    assert await store.delete_job(finished.id) is False
+    jobs, _ = await store.list_jobs("alice", 10, None)
+    assert [job.id for job in jobs] == [unfinished.id]

@@ -1,17 +1,21 @@
-"""``sluice serve --worker-address``: a gateway that connects to an already running worker instead of spawning."""
+"""``sluice serve``: arguments, a gateway that connects to an already running worker instead of spawning, and what
+its log says during a start (the ready line, the simulator warning, quiet polls)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import time
 import urllib.request
 
 import pytest
 
-from gateway.__main__ import parse_args
+from gateway.__main__ import parse_args, ready_url
+from gateway.http.middleware import request_log_level
 from shared.logs import log_line_json
 from tests.conftest import TEST_CONFIG
+from tests.gateway.sim_gateway import sim_gateway
 from tests.support.server import SluiceProcess, get_json
 
 pytestmark = pytest.mark.slow
@@ -53,3 +57,44 @@ def test_gateway_serves_through_an_external_worker_and_leaves_it_running(tmp_pat
     finally:
         gateway.close()
         worker.close()
+
+
+def test_ready_url_names_a_reachable_address():
+    assert ready_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
+    assert ready_url("::", 8000) == "http://127.0.0.1:8000"
+    assert ready_url("10.0.0.5", 9) == "http://10.0.0.5:9"
+    assert ready_url("::1", 9) == "http://[::1]:9"
+
+
+def test_request_log_levels():
+    assert request_log_level("/favicon.ico", "unmatched", 404) is None
+    assert request_log_level("/favicon.ico", "/favicon.ico", 204) is None
+    for path in ("/healthz", "/health", "/readyz", "/metrics", "/status"):
+        assert request_log_level(path, path, 200) == logging.DEBUG
+    assert request_log_level("/readyz", "/readyz", 503) == logging.DEBUG
+    assert request_log_level("/v1/models", "/v1/models", 200) == logging.INFO
+    assert request_log_level("/nope", "unmatched", 404) == logging.INFO
+    assert request_log_level("/", "/", 200) is None
+
+
+def test_start_log_says_ready_at_the_url_warns_of_the_simulator_and_keeps_retries_and_polls_quiet(tmp_path):
+    with sim_gateway(tmp_path) as server:
+        base_url = server.base_url
+        for path in ("/healthz", "/health", "/readyz", "/status", "/v1/models"):
+            assert get_json(base_url + path, timeout_s=10)[0] == 200, path
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+            assert response.status == 200
+        with urllib.request.urlopen(base_url + "/favicon.ico", timeout=10) as response:
+            assert response.status == 204 and response.read() == b""
+        deadline = time.monotonic() + 10
+        while not server.log_events("request"):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        ready = server.log_events(f"ready at {base_url}")
+        assert len(ready) == 1 and ready[0]["url"] == base_url and ready[0]["level"] == "info", server.log_tail()
+        warnings = server.log_events("simulator_backend")
+        assert {"worker_id", "workers"} <= set().union(*warnings), warnings  # the worker's line and the gateway's
+        assert all(w["level"] == "warning" and "SIMULATOR" in w["message"] for w in warnings), warnings
+        assert server.log_events("worker_connect_retry") == []  # the local worker's cold start is not a failure
+        paths = [event["path"] for event in server.log_events("request")]
+        assert paths == ["/v1/models"], paths

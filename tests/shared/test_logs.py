@@ -43,3 +43,18 @@ def test_the_environment_chooses_explicitly():
     assert choose_log_format(io.StringIO(), {"SLUICE_LOG_FORMAT": "Console"}) == "console"
     with pytest.raises(ValueError, match="SLUICE_LOG_FORMAT='xml'"):
         choose_log_format(io.StringIO(), {"SLUICE_LOG_FORMAT": "xml"})
+
+
+def test_events_below_the_level_are_dropped():
+    stream = io.StringIO()
+    configure_logging(stream, environ={})
+    logger = structlog.get_logger("t")
+    logger.debug("poll", path="/healthz")
+    logger.info("worker_ready", port=9100)
+    assert [json.loads(line)["event"] for line in stream.getvalue().splitlines()] == ["worker_ready"]
+    stream = io.StringIO()
+    configure_logging(stream, environ={"SLUICE_LOG_LEVEL": "debug"})
+    structlog.get_logger("t").debug("poll", path="/healthz")
+    assert json.loads(stream.getvalue())["event"] == "poll"
+    with pytest.raises(ValueError, match="SLUICE_LOG_LEVEL"):
+        configure_logging(io.StringIO(), environ={"SLUICE_LOG_LEVEL": "loud"})

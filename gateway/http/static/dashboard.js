@@ -11,7 +11,8 @@
 //   worker.<worker>.{backend, simulator, pool, state, device, ready, breaker, kv_usage, kv_used_blocks,
 //                    kv_total_blocks, kv_cached_blocks, prefix_hit_rate, decode_tokens_per_s, prefill_tokens_per_s,
 //                    running, waiting, in_flight, preemptions}
-//   jobs.<status> (queued, running, … whatever /status reports)
+//   jobs.{queued, running, succeeded, failed, cancelled, expired, oldest_queued_age_s, batches_in_progress}
+//        (/status jobs; a count the job store does not keep is null there and left out here)
 // Rates (…_per_s) are counter deltas over the last RATE_WINDOW_S seconds of server time (/status uptime_s).
 // A section whose data /status does not carry (yet) says "no data yet".
 "use strict";
@@ -300,13 +301,21 @@ function renderWorkers(workers) {
   el.innerHTML = `<div class="workers">${cards.join("")}</div>`;
 }
 
+// Jobs facts in reading order (life cycle, then batches and the queue's age); other numeric keys follow, sorted.
+const JOB_FACTS = [["queued", "queued"], ["running", "running"], ["succeeded", "succeeded"], ["failed", "failed"],
+                   ["cancelled", "cancelled"], ["expired", "expired"], ["batches_in_progress", "batches running"],
+                   ["oldest_queued_age_s", "oldest queued"]];
+
 function renderJobs(jobs) {
   const el = document.getElementById("jobs");
   if (!jobs) { el.innerHTML = '<p class="empty">no data yet</p>'; return; }
-  const main = ["queued", "running"];
-  const rest = Object.keys(jobs).filter((k) => !main.includes(k)).sort();
+  const known = JOB_FACTS.map(([k]) => k);
+  const main = JOB_FACTS.filter(([k]) => k === "queued" || k === "running" || jobs[k] !== undefined);
+  const rest = Object.keys(jobs).filter((k) => !known.includes(k)).sort();
   el.innerHTML = `<div class="facts">` +
-    main.map((k) => fact(k, field(`jobs.${k}`, firstDefined(jobs[k])))).join("") +
+    main.map(([k, label]) => fact(label, k.endsWith("_s")
+      ? field(`jobs.${k}`, jobs[k], `${fmtNumber(jobs[k], 1)} s`)
+      : field(`jobs.${k}`, firstDefined(jobs[k])))).join("") +
     rest.map((k) => fact(k.replace(/_/g, " "), field(`jobs.${k}`, jobs[k]))).join("") + `</div>`;
 }
 

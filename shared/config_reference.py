@@ -97,6 +97,15 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
+def _bound_text(value: int | float) -> str:
+    """Return a range bound as text, a whole number without its ``.0``.
+
+    ``typing.Annotated`` caches its aliases, and ``Meta(gt=0)`` equals ``Meta(gt=0.0)``: the same constraint reads as
+    ``0`` or ``0.0`` depending on which module built the alias first, so the text must not depend on the spelling.
+    """
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
 def _type_text(info: mi.Type) -> str:
     match info:
         case mi.BoolType():
@@ -105,8 +114,8 @@ def _type_text(info: mi.Type) -> str:
             return "string"
         case mi.IntType() | mi.FloatType():
             name = "int" if isinstance(info, mi.IntType) else "float"
-            bounds = [f"{op} {toml_value(v)}" for op, v in (("≥", info.ge), (">", info.gt), ("≤", info.le),
-                                                             ("<", info.lt)) if v is not None]
+            bounds = [f"{op} {_bound_text(v)}" for op, v in (("≥", info.ge), (">", info.gt), ("≤", info.le),
+                                                              ("<", info.lt)) if v is not None]
             return f"{name} {' and '.join(bounds)}" if bounds else name
         case mi.LiteralType():
             return " | ".join(toml_value(v) for v in info.values)

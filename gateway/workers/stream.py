@@ -102,6 +102,8 @@ class RequestStream:
         token_ids, self._token_ids = self._token_ids, []
         latency_ms, self._first_token_latency_ms = self._first_token_latency_ms, None
         if token_ids or self._finished is not None:
+            # A failure that came with these tokens is reported by the next call, at once rather than after a wait.
+            self._has_update = self._error is not None
             return StreamUpdate(token_ids, latency_ms, self._finished)
         if self._error is not None:
             raise self._error

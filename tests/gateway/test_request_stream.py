@@ -56,6 +56,16 @@ async def test_next_update_raises_the_workers_failure():
     assert raised.value.code == ErrorCode.WORKER_FAILED and stream.done
 
 
+async def test_a_failure_that_arrives_with_tokens_is_raised_by_the_next_call_without_waiting():
+    stream = make_stream()
+    stream._push(TokenDelta("r1", [1, 2]))
+    stream._fail(SluiceError(ErrorCode.WORKER_FAILED, "connection lost"))
+    assert (await stream.next_update(timeout_s=0.0)).token_ids == [1, 2]
+    with pytest.raises(SluiceError) as raised:
+        await asyncio.wait_for(stream.next_update(timeout_s=30.0), 5.0)  # not after the 30 s stall timeout
+    assert raised.value.code == ErrorCode.WORKER_FAILED
+
+
 async def test_a_cancelled_wait_leaves_no_waiter_behind():
     stream = make_stream()
     waiting = asyncio.create_task(stream.next_update(timeout_s=30.0))

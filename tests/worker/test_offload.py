@@ -368,3 +368,52 @@ def test_chain_skips_tiers_of_size_zero_and_links_the_rest(tmp_path):
     assert [t.name for t in both.tiers] == ["host", "disk"] and both.tiers[0].lower is both.tiers[1]
     assert isinstance(both, OffloadChain) and both.swap is not None
     both.close()
+
+
+# ---------------------------------------------------------------- the manager's demotion batches
+
+
+def test_blocks_one_allocation_evicts_are_demoted_in_one_copy_and_reload_exactly(tmp_path):
+    from worker.kv_cache.manager import KVCacheManager
+    from worker.sequence import Sequence, SequenceStatus
+
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    reads: list[list[int]] = []
+    read_blocks = io.read_blocks
+    io.read_blocks = lambda block_ids: reads.append(list(block_ids)) or read_blocks(block_ids)
+    stats = KVStats()
+    disk = DiskTier(16 * BLOCK_BYTES, str(tmp_path), stats=stats)
+    host = HostTier(2 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)
+    chain = OffloadChain([host, disk], io, CostModel({"host": 1e9, "disk": 1e9}, 1e3), stats=stats)
+    manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, offload=chain)
+    writer = BlockedWriter(disk)  # every disk row is still queued when it is reloaded
+
+    def serve(request_id: str, prompt: list[int]) -> tuple[Sequence, int]:
+        seq = Sequence(request_id, prompt, tier_priority=3)
+        num_hit = manager.admit(seq, max_new_tokens=10**9)
+        seq.num_computed_tokens = seq.num_cached_tokens = num_hit
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_blocks(seq)
+        return seq, num_hit
+
+    first_prompt = list(range(1000, 1029))  # 7 full blocks + 1 token
+    first, _ = serve("a", first_prompt)
+    first_table = manager.get_block_ids("a")
+    written = {idx: kv[:, :, block_id].clone() for idx, block_id in enumerate(first_table[:7])}
+    manager.free(first)
+    other, _ = serve("b", list(range(5000, 5029)))  # evicts all 7 cached blocks of "a" in one allocation
+    assert [sorted(ids) for ids in reads] == [sorted(first_table[:7])]  # one copy for the 7 blocks
+    kv[:, :, manager.get_block_ids("b")] = 0.0  # "b" overwrites every block it got
+    manager.free(other)
+    again, num_hit = serve("c", first_prompt + [7, 8, 9])  # evicts b's blocks (one more batch), reloads a's
+    assert len(reads) == 2 and num_hit == 7 * BLOCK_SIZE
+    table = manager.get_block_ids("c")
+    for idx in range(7):
+        assert torch.equal(kv[:, :, table[idx]], written[idx])
+    manager.free(again)
+    assert manager.num_free_blocks == NUM_BLOCKS and manager.num_used_blocks == 0  # nothing leaked
+    writer.release()
+    assert disk.flush(timeout_s=10)
+    chain.close()

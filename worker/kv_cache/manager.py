@@ -491,7 +491,8 @@ class KVCacheManager:
         self.prefix_hits_tokens += num_hit_tokens
 
     def _on_evict(self, block_id: int, block_hash: int) -> None:
-        """Count the eviction and queue the block for demotion (its K/V stay in the pool until the allocation returns)."""
+        """Count the eviction and queue the block for demotion (its K/V stay in the pool until the allocation
+        returns)."""
         meta = self.pool.meta(block_id)
         entry = self.prefix_cache.entry(block_id)
         now_s = self.clock()

@@ -52,7 +52,8 @@ class HostTier(OffloadTier):
     def _store_many(self, blocks) -> list[int | None]:
         """Copy the batch into free slots with one copy (blocks that do not fit a slot get None)."""
         handles: list[int | None] = [None] * len(blocks)
-        fits = [pos for pos, block in enumerate(blocks) if block.data.numel() == self.block_bytes][:len(self._free_slots)]
+        fits = [pos for pos, block in enumerate(blocks) if block.data.numel() == self.block_bytes]
+        fits = fits[:len(self._free_slots)]
         if not fits:
             return handles
         slots = [self._free_slots.pop() for _ in fits]

@@ -16,7 +16,8 @@ Miss penalty: the same prompt lengths with every prompt unique (nothing returns)
 ``TTFT p50 (tiers on) / TTFT p50 (tiers off) - 1`` (the LMCache evaluation measured -3% to -15% there).
 
 Writes ``bench/results/returning_chat.json``. Others' load on the machine shows up in every number: run it on a
-quiet machine and compare configurations within one run only.
+quiet machine and compare configurations within one run only (each configuration records the 1-minute load average
+when it ends).
 
     .venv/bin/python bench/returning_chat_bench.py [--conversations 24] [--max-turns 4] [--threads 2]
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -175,7 +177,8 @@ def run_config(name: str, prompts: list[tuple[str, bool]], args: argparse.Namesp
             results = asyncio.run(replay(base_url, prompts))
             summary = summarize(results, kv_counters(base_url))
     summary.update(config=name, host_cache_gib=host_gib, disk_cache_gib=disk_gib,
-                   wall_s=round(time.perf_counter() - started_s, 1))
+                   wall_s=round(time.perf_counter() - started_s, 1),
+                   load_average_1m_after=round(os.getloadavg()[0], 2))
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -139,6 +139,20 @@ class KVBlockIO:
         out.view(self.kv_cache.dtype).view(self.block_shape).copy_(self.kv_cache[:, :, block_id])
         return out
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy pool blocks ``block_ids`` into a new ``[len(block_ids), block_bytes] uint8`` CPU tensor, row i =
+        block ``block_ids[i]``, in one copy (one kernel however many blocks). Synchronous, like :meth:`read_block`.
+        """
+        out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)
+        if block_ids:
+            rows = out.view(self.kv_cache.dtype).view(len(block_ids), *self.block_shape)
+            blocks = [self.kv_cache[:, :, block_id] for block_id in block_ids]
+            if self.kv_cache.is_cuda:
+                rows.copy_(torch.stack(blocks, dim=0))  # gathered on the device, one transfer
+            else:
+                torch.stack(blocks, dim=0, out=rows)
+        return out
+
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Copy ``data`` (``[block_bytes] uint8``, CPU, from :meth:`read_block`) into pool block ``block_id``."""
         if data.numel() != self.block_bytes:

@@ -7,6 +7,7 @@ Block data moves through the real :class:`KVBlockIO` over a small KV tensor; Red
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 
 import pytest
@@ -95,8 +96,9 @@ def test_host_tier_never_exceeds_its_size_and_demotes_lru_to_disk(tmp_path):
         assert host.used_bytes <= host.capacity_bytes and disk.used_bytes <= disk.capacity_bytes
     assert [host.contains(10 * i) for i in range(1, 8)] == [False] * 5 + [True] * 2
     assert [disk.contains(10 * i) for i in range(1, 8)] == [False, False, True, True, True, False, False]
+    assert disk.flush(timeout_s=10)
     files = os.listdir(disk.folder)
-    assert len(files) == 3
+    assert len(files) == 3  # one batch of one block per host eviction
     assert sum(os.path.getsize(os.path.join(disk.folder, f)) for f in files) < 3 * BLOCK_BYTES + 3 * 200
     got = disk.get(40)
     assert got.token_ids == tuple(range(40, 44)) and got.parent_hash == 39
@@ -125,10 +127,134 @@ def test_recently_used_blocks_stay_and_expired_blocks_are_never_served(tmp_path)
 def test_disk_tier_rejects_a_corrupted_file(tmp_path):
     disk = DiskTier(4 * BLOCK_BYTES, str(tmp_path))
     disk.put(block(7, fill=9))
-    path = os.path.join(disk.folder, f"{7:016x}.kv")
+    assert disk.flush(timeout_s=10)
+    (name,) = os.listdir(disk.folder)
+    path = os.path.join(disk.folder, name)
     with open(path, "r+b") as f:
         f.truncate(100)
     assert disk.get(7) is None and not disk.contains(7) and disk.used_bytes == 0
+
+
+class BlockedWriter:
+    """Holds a disk tier's writer thread before each batch until :meth:`release` (a write in progress)."""
+
+    def __init__(self, disk: DiskTier) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        write = disk._write
+
+        def held_write(batch, data):
+            self.entered.set()
+            self.gate.wait(10)
+            return write(batch, data)
+
+        disk._write = held_write
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_disk_tier_writes_one_file_per_batch_and_removes_it_with_its_last_block(tmp_path):
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path))
+    assert disk.put_many([block(10 * i, fill=i) for i in range(1, 4)]) == [True] * 3
+    assert disk.flush(timeout_s=10)
+    assert len(os.listdir(disk.folder)) == 1
+    for i in range(1, 4):
+        got = disk.get(10 * i)
+        assert got.token_ids == tuple(range(10 * i, 10 * i + BLOCK_SIZE)) and got.parent_hash == 10 * i - 1
+        assert torch.equal(got.data, torch.full((BLOCK_BYTES,), i, dtype=torch.uint8))
+    disk.discard(10)
+    disk.discard(20)
+    assert len(os.listdir(disk.folder)) == 1 and disk.get(30) is not None  # one row still lives in the file
+    disk.discard(30)
+    assert os.listdir(disk.folder) == [] and disk.used_bytes == 0
+    disk.close()
+
+
+def test_disk_block_is_readable_while_written_and_never_half_written_under_its_name(tmp_path):
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path))
+    writer = BlockedWriter(disk)
+    source = block(5, fill=7)
+    assert disk.put(source)
+    source.data.fill_(0)  # the caller reuses its buffer at once: the tier copied it
+    assert writer.entered.wait(10)
+    assert not [name for name in os.listdir(disk.folder) if name.endswith(".kv")]  # not renamed into place yet
+    got = disk.get(5)  # served from the queued copy
+    assert torch.equal(got.data, torch.full((BLOCK_BYTES,), 7, dtype=torch.uint8))
+    writer.release()
+    assert disk.flush(timeout_s=10)
+    assert [name.endswith(".kv") for name in os.listdir(disk.folder)] == [True]
+    got = disk.get(5)  # now read back from the file
+    assert torch.equal(got.data, torch.full((BLOCK_BYTES,), 7, dtype=torch.uint8)) and got.token_ids == source.token_ids
+    disk.close()
+
+
+def test_disk_tier_drops_a_batch_rather_than_wait_when_the_write_queue_is_full(tmp_path):
+    stats = KVStats()
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path), stats=stats, max_pending_bytes=2 * BLOCK_BYTES)
+    writer = BlockedWriter(disk)
+    assert disk.put_many([block(1, fill=1), block(2, fill=2)]) == [True, True]
+    assert writer.entered.wait(10)
+    assert disk.put_many([block(3, fill=3)]) == [False]  # queue full: dropped, the caller is not held
+    assert not disk.contains(3) and stats.get("offload_dropped_blocks", tier="disk") == 1
+    assert disk.used_bytes == 2 * BLOCK_BYTES
+    writer.release()
+    assert disk.flush(timeout_s=10)
+    assert disk.put(block(3, fill=3))  # room in the queue again
+    assert [torch.equal(disk.get(i).data, torch.full((BLOCK_BYTES,), i, dtype=torch.uint8)) for i in (1, 2, 3)] == \
+        [True] * 3
+    disk.close()
+
+
+def test_disk_block_discarded_before_its_write_leaves_no_file(tmp_path):
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path))
+    writer = BlockedWriter(disk)
+    disk.put(block(1))
+    disk.put(block(2))  # queued behind the held write of block 1
+    assert writer.entered.wait(10)
+    disk.discard(1)  # its write is in progress: removed once done
+    disk.discard(2)  # not started: skipped
+    writer.release()
+    assert disk.flush(timeout_s=10)
+    assert os.listdir(disk.folder) == [] and disk.used_bytes == 0 and disk.num_blocks == 0
+    disk.close()
+
+
+def test_block_io_reads_a_batch_of_blocks_as_the_single_block_reads_do():
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    rows = io.read_blocks([5, 1, 6])
+    assert rows.shape == (3, BLOCK_BYTES) and rows.dtype == torch.uint8
+    for row, block_id in enumerate([5, 1, 6]):
+        assert torch.equal(rows[row], io.read_block(block_id))
+    assert io.read_blocks([]).shape == (0, BLOCK_BYTES)
+
+
+def test_chain_demotes_a_batch_through_host_and_disk_and_reloads_exactly_what_was_demoted(tmp_path):
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    stats = KVStats()
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path), stats=stats)
+    host = HostTier(2 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)
+    chain = OffloadChain([host, disk], io, CostModel({"host": 1e9, "disk": 1e9}, 1e3), stats=stats)
+    originals = {block_id: kv[:, :, block_id].clone() for block_id in range(5)}
+    writer = BlockedWriter(disk)
+    evicted = [(block_id, 100 + block_id, 99 + block_id if block_id else None, list(range(block_id, block_id + 4)),
+                float("inf")) for block_id in range(5)]
+    assert chain.demote_many(evicted) == [True] * 5  # more than host RAM holds: the 3 oldest go on to disk
+    kv.zero_()  # the pool reuses every block at once
+    assert chain.find([100 + i for i in range(5)], 0) == ["disk"] * 3 + ["host"] * 2
+    assert stats.get("offloaded_blocks", tier="disk") == 3 and stats.get("offloaded_blocks", tier="host") == 2
+    for block_id in range(5):  # the disk rows are read while their write is held, the host rows from RAM
+        tier = "disk" if block_id < 3 else "host"
+        assert chain.load(tier, block_id, 100 + block_id, evicted[block_id][2], evicted[block_id][3])
+        assert torch.equal(kv[:, :, block_id], originals[block_id])
+    writer.release()
+    assert disk.flush(timeout_s=10) and len(os.listdir(disk.folder)) == 1
+    kv.zero_()
+    assert chain.load("disk", 7, 101, 100, [1, 2, 3, 4])  # from the file now
+    assert torch.equal(kv[:, :, 7], originals[1])
+    chain.close()
 
 
 def test_chain_reload_verifies_token_ids_so_no_other_conversation_is_served(tmp_path):
@@ -240,3 +366,52 @@ def test_chain_skips_tiers_of_size_zero_and_links_the_rest(tmp_path):
     assert [t.name for t in both.tiers] == ["host", "disk"] and both.tiers[0].lower is both.tiers[1]
     assert isinstance(both, OffloadChain) and both.swap is not None
     both.close()
+
+
+# ---------------------------------------------------------------- the manager's demotion batches
+
+
+def test_blocks_one_allocation_evicts_are_demoted_in_one_copy_and_reload_exactly(tmp_path):
+    from worker.kv_cache.manager import KVCacheManager
+    from worker.sequence import Sequence, SequenceStatus
+
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    reads: list[list[int]] = []
+    read_blocks = io.read_blocks
+    io.read_blocks = lambda block_ids: reads.append(list(block_ids)) or read_blocks(block_ids)
+    stats = KVStats()
+    disk = DiskTier(16 * BLOCK_BYTES, str(tmp_path), stats=stats)
+    host = HostTier(2 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)
+    chain = OffloadChain([host, disk], io, CostModel({"host": 1e9, "disk": 1e9}, 1e3), stats=stats)
+    manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, offload=chain)
+    writer = BlockedWriter(disk)  # every disk row is still queued when it is reloaded
+
+    def serve(request_id: str, prompt: list[int]) -> tuple[Sequence, int]:
+        seq = Sequence(request_id, prompt, tier_priority=3)
+        num_hit = manager.admit(seq, max_new_tokens=10**9)
+        seq.num_computed_tokens = seq.num_cached_tokens = num_hit
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_blocks(seq)
+        return seq, num_hit
+
+    first_prompt = list(range(1000, 1029))  # 7 full blocks + 1 token
+    first, _ = serve("a", first_prompt)
+    first_table = manager.get_block_ids("a")
+    written = {idx: kv[:, :, block_id].clone() for idx, block_id in enumerate(first_table[:7])}
+    manager.free(first)
+    other, _ = serve("b", list(range(5000, 5029)))  # evicts all 7 cached blocks of "a" in one allocation
+    assert [sorted(ids) for ids in reads] == [sorted(first_table[:7])]  # one copy for the 7 blocks
+    kv[:, :, manager.get_block_ids("b")] = 0.0  # "b" overwrites every block it got
+    manager.free(other)
+    again, num_hit = serve("c", first_prompt + [7, 8, 9])  # evicts b's blocks (one more batch), reloads a's
+    assert len(reads) == 2 and num_hit == 7 * BLOCK_SIZE
+    table = manager.get_block_ids("c")
+    for idx in range(7):
+        assert torch.equal(kv[:, :, table[idx]], written[idx])
+    manager.free(again)
+    assert manager.num_free_blocks == NUM_BLOCKS and manager.num_used_blocks == 0  # nothing leaked
+    writer.release()
+    assert disk.flush(timeout_s=10)
+    chain.close()

@@ -15,7 +15,8 @@ KV lifetime (issue 4): :meth:`KVCacheManager.admit` is the scheduler's admission
 looks the chain up in the offload tiers and reloads the blocks the cost model says are cheaper to move than to
 recompute; a sequence preempted by swap gets its swapped blocks back. A released request stamps its cached blocks
 with its tier, retention deadline (its TTL wish bounded by config and the pressure level) and the facts the
-``sluice`` policy classifies by; an evicted block is demoted to the offload chain unless its retention is over.
+``sluice`` policy classifies by; an evicted block is demoted to the offload chain unless its retention is over, the
+blocks one allocation evicts together in one batch, copied out of the pool before the allocation returns.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class KVCacheManager:
         self._swapped_num_computed: dict[str, int] = {}  # request -> computed tokens when it was swapped out
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        # blocks evicted by the allocation in progress, demoted together once it returns:
+        # (block_id, block_hash, parent_hash, token_ids, expires_at_s)
+        self._pending_demotions: list[tuple[int, int, int | None, tuple[int, ...], float]] = []
 
     # ------------------------------------------------------------------ counters
 
@@ -248,6 +252,7 @@ class KVCacheManager:
         self._observe_reuse_gaps(new_computed_blocks)
         self.pool.touch(new_computed_blocks)
         new_block_ids = self.pool.allocate(num_needed)
+        self._flush_demotions()
         if new_block_ids is None:
             self.pool.free(reversed(new_computed_blocks))
             return None
@@ -486,7 +491,8 @@ class KVCacheManager:
         self.prefix_hits_tokens += num_hit_tokens
 
     def _on_evict(self, block_id: int, block_hash: int) -> None:
-        """Count the eviction and demote the block to the offload chain (its K/V are still in the pool)."""
+        """Count the eviction and queue the block for demotion (its K/V stay in the pool until the allocation
+        returns)."""
         meta = self.pool.meta(block_id)
         entry = self.prefix_cache.entry(block_id)
         now_s = self.clock()
@@ -497,5 +503,12 @@ class KVCacheManager:
             if meta.expires_at_s <= now_s:
                 self.stats.add("expired_blocks")
             else:
-                self.offload.demote(block_id, block_hash, entry[1], entry[2], meta.expires_at_s)
+                self._pending_demotions.append((block_id, block_hash, entry[1], entry[2], meta.expires_at_s))
         self.prefix_cache.remove(block_id, block_hash)
+
+    def _flush_demotions(self) -> None:
+        """Demote the blocks evicted by the last allocation as one batch (one copy out of the pool), before the
+        caller can write into them."""
+        if self._pending_demotions:
+            evicted, self._pending_demotions = self._pending_demotions, []
+            self.offload.demote_many(evicted)

@@ -43,6 +43,16 @@ class OffloadedBlock:
         return self.parent_hash == parent_hash and self.token_ids == tuple(token_ids)
 
 
+def stacked_rows(datas: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n, block_bytes] uint8``: the blocks' data as one tensor; no copy when they are already the rows of one
+    (as :meth:`~worker.model_runner.KVBlockIO.read_blocks` returns them), else one copy."""
+    base = datas[0]._base if datas else None
+    if (base is not None and base.dim() == 2 and base.is_contiguous() and base.shape[0] == len(datas)
+            and all(data._base is base and data.data_ptr() == base[i].data_ptr() for i, data in enumerate(datas))):
+        return base
+    return torch.stack(list(datas))
+
+
 @dataclass
 class _Entry:
     parent_hash: int | None
@@ -98,22 +108,43 @@ class OffloadTier(abc.ABC):
             True when the tier now holds the block; False when it cannot (larger than the tier, already expired,
             or a storage error).
         """
-        nbytes = block.data.numel() * block.data.element_size()
-        if nbytes > self.capacity_bytes or block.expires_at_s <= self.clock():
-            return False
-        if block.block_hash in self._index:
-            self._index.move_to_end(block.block_hash)
-            return True
-        while self.used_bytes + nbytes > self.capacity_bytes and self._index:
-            self._evict_one()
-        handle = self._store(block)
-        if handle is None:
-            return False
-        self._index[block.block_hash] = _Entry(block.parent_hash, block.token_ids, nbytes, block.expires_at_s, handle)
-        self.used_bytes += nbytes
-        self.stats.add("offloaded_bytes", nbytes, tier=self.name)
-        self.stats.add("offloaded_blocks", 1, tier=self.name)
-        return True
+        return self.put_many([block])[0]
+
+    def put_many(self, blocks: Sequence[OffloadedBlock]) -> list[bool]:
+        """Store ``blocks`` (copying their data) as one batch: room is made once, the least recently used blocks
+        pushed out go to ``lower`` as one batch, and the storage copies the batch at once (:meth:`_store_many`).
+
+        Returns:
+            Per block, whether the tier now holds it (see :meth:`put`), or for a block of a batch larger than the
+            tier, one passed straight down, whether ``lower`` does.
+        """
+        now_s = self.clock()
+        new: dict[int, int] = {}  # block_hash -> position in blocks (a hash repeated in the batch is stored once)
+        for pos, block in enumerate(blocks):
+            nbytes = block.data.numel() * block.data.element_size()
+            if nbytes > self.capacity_bytes or block.expires_at_s <= now_s:
+                continue
+            if block.block_hash in self._index:
+                self._index.move_to_end(block.block_hash)
+            elif block.block_hash not in new:
+                new[block.block_hash] = pos
+        batch = [blocks[pos] for pos in new.values()]
+        batch_nbytes = [block.data.numel() * block.data.element_size() for block in batch]
+        overflow: list[OffloadedBlock] = []  # more than the tier holds: the oldest go straight down
+        while batch and sum(batch_nbytes) > self.capacity_bytes:
+            overflow.append(batch.pop(0))
+            batch_nbytes.pop(0)
+        held_below = self._make_room(sum(batch_nbytes), overflow)
+        handles = self._store_many(batch) if batch else []
+        for block, nbytes, handle in zip(batch, batch_nbytes, handles):
+            if handle is None:
+                continue
+            self._index[block.block_hash] = _Entry(block.parent_hash, block.token_ids, nbytes, block.expires_at_s,
+                                                   handle)
+            self.used_bytes += nbytes
+            self.stats.add("offloaded_bytes", nbytes, tier=self.name)
+            self.stats.add("offloaded_blocks", 1, tier=self.name)
+        return [block.block_hash in self._index or block.block_hash in held_below for block in blocks]
 
     def get(self, block_hash: int) -> OffloadedBlock | None:
         """Return the stored block (now most recently used), or None when absent, expired or unreadable."""
@@ -152,6 +183,11 @@ class OffloadTier(abc.ABC):
     def _store(self, block: OffloadedBlock) -> object | None:
         """Copy the block's data into the tier's storage; return its handle, None on a storage error."""
 
+    def _store_many(self, blocks: Sequence[OffloadedBlock]) -> list[object | None]:
+        """Copy a batch of blocks into the tier's storage; per block its handle or None. One :meth:`_store` each
+        unless the tier stores a batch at once."""
+        return [self._store(block) for block in blocks]
+
     @abc.abstractmethod
     def _load(self, entry: _Entry) -> tuple[int | None, tuple[int, ...], torch.Tensor] | None:
         """Return ``(parent_hash, token_ids, data)`` as stored, None when the storage lost it."""
@@ -162,15 +198,36 @@ class OffloadTier(abc.ABC):
 
     # ------------------------------------------------------------------ internals
 
-    def _evict_one(self) -> None:
-        block_hash, entry = next(iter(self._index.items()))
-        if self.lower is not None and entry.expires_at_s > self.clock():
-            loaded = self._load(entry)
-            if loaded is not None:
-                parent_hash, token_ids, data = loaded
-                self.lower.put(OffloadedBlock(block_hash, parent_hash, token_ids, data, entry.expires_at_s))
-        self._remove(block_hash)
-        self.stats.add("offload_evicted_blocks", 1, tier=self.name)
+    def _make_room(self, nbytes: int, passed_down: list[OffloadedBlock]) -> set[int]:
+        """Push least recently used blocks out until ``nbytes`` more fit; unexpired ones go to ``lower`` as one
+        batch with ``passed_down`` after them, handed over before their storage is freed (the lower tier copies
+        them out of it). Returns the hashes of ``passed_down`` that ``lower`` stored."""
+        victims: list[int] = []
+        freed_bytes = 0
+        for block_hash, entry in self._index.items():
+            if self.used_bytes - freed_bytes + nbytes <= self.capacity_bytes:
+                break
+            victims.append(block_hash)
+            freed_bytes += entry.nbytes
+        held_below: set[int] = set()
+        if self.lower is not None and (victims or passed_down):
+            now_s = self.clock()
+            demoted = []
+            for block_hash in victims:
+                entry = self._index[block_hash]
+                loaded = self._load(entry) if entry.expires_at_s > now_s else None
+                if loaded is not None:
+                    parent_hash, token_ids, data = loaded
+                    demoted.append(OffloadedBlock(block_hash, parent_hash, token_ids, data, entry.expires_at_s))
+            demoted += passed_down
+            stored = self.lower.put_many(demoted)
+            held_below = {block.block_hash for block, ok in zip(passed_down, stored[len(stored) - len(passed_down):])
+                          if ok}
+        for block_hash in victims:
+            self._remove(block_hash)
+        if victims:
+            self.stats.add("offload_evicted_blocks", len(victims), tier=self.name)
+        return held_below
 
     def _remove(self, block_hash: int) -> None:
         entry = self._index.pop(block_hash)

@@ -55,14 +55,34 @@ class OffloadChain:
     def demote(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
                expires_at_s: float) -> bool:
         """Copy an evicted device block into the top tier (before the pool reuses it); True when stored."""
-        if not self.tiers:
-            return False
+        return self.demote_many([(block_id, block_hash, parent_hash, token_ids, expires_at_s)])[0]
+
+    def demote_many(self, evicted: Sequence[tuple[int, int, int | None, Sequence[int], float]]) -> list[bool]:
+        """Copy a batch of evicted device blocks into the top tier with one copy out of the pool (before the pool
+        reuses them); per block, True when stored.
+
+        Args:
+            evicted: ``(block_id, block_hash, parent_hash, token_ids, expires_at_s)`` per block.
+        """
+        if not self.tiers or not evicted:
+            return [False] * len(evicted)
         top = self.tiers[0]
-        if top.contains(block_hash):
-            top.touch(block_hash)  # the bytes are already there (reloaded from it earlier)
-            return True
-        data = self.io.read_block(block_id)
-        return top.put(OffloadedBlock(block_hash, parent_hash, tuple(token_ids), data, expires_at_s))
+        stored = [False] * len(evicted)
+        to_copy = []
+        for pos, (_, block_hash, _, _, _) in enumerate(evicted):
+            if top.contains(block_hash):
+                top.touch(block_hash)  # the bytes are already there (reloaded from it earlier)
+                stored[pos] = True
+            else:
+                to_copy.append(pos)
+        if not to_copy:
+            return stored
+        data = self.io.read_blocks([evicted[pos][0] for pos in to_copy])
+        blocks = [OffloadedBlock(evicted[pos][1], evicted[pos][2], tuple(evicted[pos][3]), data[row], evicted[pos][4])
+                  for row, pos in enumerate(to_copy)]
+        for pos, ok in zip(to_copy, top.put_many(blocks)):
+            stored[pos] = ok
+        return stored
 
     def find(self, block_hashes: Sequence[int], start: int) -> list[str]:
         """Return the tier name of each block of the leading run ``block_hashes[start:]`` held by some tier.

@@ -1,20 +1,28 @@
-"""Local disk tier: one file per block in a folder of its own, least recently used evicted first.
+"""Local disk tier: blocks are written by a background thread, one file per batch of blocks demoted together.
 
 File layout (little endian)::
 
-    [4 bytes: header length H][H bytes: msgpack (parent_hash, token_ids)][block_bytes bytes: the block's data]
+    [4 bytes: header length H][H bytes: msgpack [(parent_hash, token_ids), …] per row][n × block_bytes: the rows]
 
 The header travels with the data so a reload verifies the token ids the bytes were computed from, not an index
 that could disagree with the file. The folder is private to the worker (created at start, removed at close);
 nothing survives a restart, so no stale file from another model or dtype can ever be read.
+
+The engine thread never waits for the disk: :meth:`DiskTier.put_many` copies the batch into memory and queues it;
+the writer thread writes it to a temporary name and renames it into place, then lets go of the memory copy. A
+lookup in between is served from the memory copy, so a block is readable the moment it is stored and a lookup never
+sees a half-written file. The queue is bounded in bytes (``max_pending_bytes``): a batch that would exceed it is
+dropped (counted in ``offload_dropped_blocks{tier=disk}``) rather than making the engine wait.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,65 +37,156 @@ log = structlog.get_logger("sluice.worker.kv")
 
 _HEADER_LEN = struct.Struct("<I")
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(tuple[int | None, tuple[int, ...]])
+_DECODER = msgspec.msgpack.Decoder(list[tuple[int | None, tuple[int, ...]]])
+
+
+class _Batch:
+    """One file of rows: in memory (``data``) until the writer thread has renamed the complete file into place.
+
+    ``data``, ``written``, ``failed`` and ``cancelled`` are read and set under the tier's lock; ``num_live`` (rows
+    still indexed) only on the engine thread.
+    """
+
+    def __init__(self, path: str, data: torch.Tensor, headers: list[tuple[int | None, tuple[int, ...]]]) -> None:
+        self.path = path
+        self.data: torch.Tensor | None = data  # [n, block_bytes] uint8 until written
+        self.headers = headers
+        self.nbytes = data.numel()
+        self.num_live = len(headers)
+        self.written = False
+        self.failed = False
+        self.cancelled = False  # every row dropped before it was written: skip or delete the file
 
 
 class DiskTier(OffloadTier):
-    """Bounded on-disk store of KV blocks.
+    """Bounded on-disk store of KV blocks, written in the background.
 
     Args:
         capacity_bytes: most bytes of block data on disk (headers not counted; they are < 1% of a block).
         root_dir: parent folder ("" = the system temp folder); the tier makes its own subfolder inside.
+        max_pending_bytes: most bytes of block data queued for the writer; a batch beyond it is dropped.
         stats, lower, clock: see :class:`OffloadTier`.
     """
 
     name = "disk"
 
     def __init__(self, capacity_bytes: int, root_dir: str = "", stats: KVStats | None = None,
-                 lower: OffloadTier | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 lower: OffloadTier | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_pending_bytes: int = 256 * 1024**2) -> None:
         super().__init__(capacity_bytes, stats, lower, clock)
+        if max_pending_bytes < 0:
+            raise ValueError(f"disk tier: max_pending_bytes must be >= 0, got {max_pending_bytes}")
         root = root_dir or tempfile.gettempdir()
         os.makedirs(root, exist_ok=True)
         self.folder = tempfile.mkdtemp(prefix=f"sluice-kv-{os.getpid()}-", dir=root)
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._idle = threading.Condition(self._lock)  # notified whenever pending_bytes drops
+        self._num_batches = 0
+        self._writer = threading.Thread(target=self._write_loop, name="sluice-kv-disk-writer", daemon=True)
+        self._writer.start()
 
-    def _path(self, block_hash: int) -> str:
-        return os.path.join(self.folder, f"{block_hash:016x}.kv")
+    def _store(self, block: OffloadedBlock) -> tuple[_Batch, int] | None:
+        return self._store_many([block])[0]
 
-    def _store(self, block: OffloadedBlock) -> str | None:
-        path = self._path(block.block_hash)
-        header = _ENCODER.encode((block.parent_hash, block.token_ids))
-        try:
-            with open(path, "wb") as f:
-                f.write(_HEADER_LEN.pack(len(header)))
-                f.write(header)
-                f.write(memoryview(block.data.contiguous().numpy()))
-        except OSError as exc:
-            log.warning("kv_disk_write_failed", path=path, error=str(exc))
-            return None
-        return path
+    def _store_many(self, blocks) -> list[tuple[_Batch, int] | None]:
+        nbytes = sum(block.data.numel() for block in blocks)
+        with self._lock:
+            if self.pending_bytes + nbytes > self.max_pending_bytes:
+                self.stats.add("offload_dropped_blocks", len(blocks), tier=self.name)
+                return [None] * len(blocks)
+            self.pending_bytes += nbytes
+        data = torch.stack([block.data.reshape(-1) for block in blocks])  # owned: the caller may reuse its memory
+        self._num_batches += 1
+        batch = _Batch(os.path.join(self.folder, f"{self._num_batches:08d}.kv"), data,
+                       [(block.parent_hash, block.token_ids) for block in blocks])
+        self._queue.put(batch)
+        return [(batch, row) for row in range(len(blocks))]
 
     def _load(self, entry: _Entry) -> tuple[int | None, tuple[int, ...], torch.Tensor] | None:
+        batch, row = entry.handle
+        with self._lock:
+            data, failed = batch.data, batch.failed
+        if failed:
+            return None
+        if data is not None:  # still queued or being written: the memory copy is the block
+            return entry.parent_hash, entry.token_ids, data[row]
         try:
-            with open(entry.handle, "rb") as f:
-                raw = bytearray(os.fstat(f.fileno()).st_size)
-                f.readinto(raw)
-            (header_len,) = _HEADER_LEN.unpack_from(raw)
-            parent_hash, token_ids = _DECODER.decode(raw[_HEADER_LEN.size:_HEADER_LEN.size + header_len])
+            with open(batch.path, "rb") as f:
+                (header_len,) = _HEADER_LEN.unpack(f.read(_HEADER_LEN.size))
+                headers = _DECODER.decode(f.read(header_len))
+                f.seek(_HEADER_LEN.size + header_len + row * entry.nbytes)
+                raw = bytearray(entry.nbytes)
+                num_read = f.readinto(raw)
         except (OSError, struct.error, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("kv_disk_read_failed", path=entry.handle, error=str(exc))
+            log.warning("kv_disk_read_failed", path=batch.path, error=str(exc))
             return None
-        offset = _HEADER_LEN.size + header_len
-        if len(raw) - offset != entry.nbytes:
+        if num_read != entry.nbytes or row >= len(headers):
             return None
-        data = torch.frombuffer(raw, dtype=torch.uint8, offset=offset, count=entry.nbytes).clone()  # aligned
-        return parent_hash, tuple(token_ids), data
+        parent_hash, token_ids = headers[row]
+        return parent_hash, tuple(token_ids), torch.frombuffer(raw, dtype=torch.uint8)
 
     def _drop(self, entry: _Entry) -> None:
-        try:
-            os.unlink(entry.handle)
-        except FileNotFoundError:
-            pass
+        batch, _ = entry.handle
+        batch.num_live -= 1
+        if batch.num_live > 0:
+            return
+        with self._lock:
+            written = batch.written
+            batch.cancelled = True
+            batch.data = None
+        if written:
+            self._unlink(batch.path)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued batch is written (or skipped); True when the queue is empty."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.pending_bytes == 0, timeout_s)
 
     def close(self) -> None:
         super().close()
+        self._queue.put(None)
+        self._writer.join(timeout=10)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    # ------------------------------------------------------------------ the writer thread
+
+    def _write_loop(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            with self._lock:
+                data = None if batch.cancelled else batch.data
+            ok = data is not None and self._write(batch, data)
+            with self._idle:
+                self.pending_bytes -= batch.nbytes
+                batch.written = ok
+                batch.failed = data is not None and not ok
+                if ok or batch.failed:
+                    batch.data = None
+                cancelled = batch.cancelled
+                self._idle.notify_all()
+            if ok and cancelled:
+                self._unlink(batch.path)
+
+    def _write(self, batch: _Batch, data: torch.Tensor) -> bool:
+        tmp_path = batch.path + ".tmp"
+        header = _ENCODER.encode(batch.headers)
+        try:
+            with open(tmp_path, "wb") as f:
+                f.write(_HEADER_LEN.pack(len(header)))
+                f.write(header)
+                f.write(memoryview(data.numpy()))
+            os.replace(tmp_path, batch.path)  # complete or absent: never half written under its name
+        except OSError as exc:
+            log.warning("kv_disk_write_failed", path=batch.path, error=str(exc))
+            self._unlink(tmp_path)
+            return False
+        return True
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier, _Entry
+from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier, _Entry, stacked_rows
 from worker.kv_cache.stats import KVStats
 
 
@@ -48,6 +48,19 @@ class HostTier(OffloadTier):
         slot = self._free_slots.pop()
         self.slab[slot].copy_(block.data)
         return slot
+
+    def _store_many(self, blocks) -> list[int | None]:
+        """Copy the batch into free slots with one copy (blocks that do not fit a slot get None)."""
+        handles: list[int | None] = [None] * len(blocks)
+        fits = [pos for pos, block in enumerate(blocks) if block.data.numel() == self.block_bytes]
+        fits = fits[:len(self._free_slots)]
+        if not fits:
+            return handles
+        slots = [self._free_slots.pop() for _ in fits]
+        self.slab.index_copy_(0, torch.tensor(slots), stacked_rows([blocks[pos].data for pos in fits]))
+        for pos, slot in zip(fits, slots):
+            handles[pos] = slot
+        return handles
 
     def _load(self, entry: _Entry) -> tuple[int | None, tuple[int, ...], torch.Tensor]:
         return entry.parent_hash, entry.token_ids, self.slab[entry.handle]

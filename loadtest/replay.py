@@ -376,7 +376,8 @@ async def _reach_tiers(session, opts: ReplayOptions, model: str, requests: list[
     notes = []
     for tier, got in moved.items():
         count = sum(req.tier == tier for req in requests)
-        key = "the key sent" if opts.api_key_by_tier.get(tier) or opts.api_key_by_tier.get("*") else "no API key"
+        key = ("the key sent" if opts.api_key_by_tier.get(tier) or opts.api_key_by_tier.get("*")
+               else "a request without an API key")
         notes.append(f"tier '{tier}' is above what {key} gets (the gateway serves it as '{got}'): its {count} "
                      f"requests are replayed as '{got}'. To replay '{tier}', pass --api-key {tier}=KEY with a key "
                      f"of that tier, or set default_tier = \"{tier}\" in the gateway's config")

@@ -713,6 +713,11 @@ def format_plan(result: Plan) -> str:
         f"queue model: {result.queue_model}; workers needed: "
         f"{result.workers_needed if result.workers_needed is not None else 'more than the limit'}",
     ]
+    if result.workers_needed is None and result.sustained_rate_per_worker_s == 0:
+        lines.append(f"why: even an idle worker misses the TTFT targets at {100 * result.slo_attainment_target:.0f}% "
+                     f"attainment (a mean prompt of {result.mean_input_tokens:.0f} tokens, service demand "
+                     f"{result.mean_service_s:.1f} s a request on this worker model): loosen --slo-ttft-s (e.g. "
+                     "vip=30,standard=60,free=60), or plan for a GPU with --roofline")
     for label, pred in (("plan", result.prediction), ("one fewer", result.one_fewer)):
         if pred is None:
             continue

@@ -14,6 +14,7 @@ from sluice.plan import (
     _own_prefill_s,
     allen_cunneen_wait_s,
     erlang_c,
+    format_plan,
     main,
     measured_worker_model,
     mmc_mean_wait_s,
@@ -300,3 +301,15 @@ def test_plan_says_why_it_falls_back_to_the_roofline(status_server, tmp_path, ca
     first_line = capsys.readouterr().out.splitlines()[0]
     assert first_line.startswith("planning for the built-in [sim] roofline (8.03 B parameters, 4800 GB/s HBM")
     assert "no worker reports a decode rate yet" in first_line and "--from-status URL" in first_line
+
+
+def test_a_plan_no_worker_count_meets_says_why():
+    """A TTFT target shorter than a prompt's own prefill: no count of workers meets it, and the table says why."""
+    model = WorkerModel.from_roofline(ROUND_SIM, WorkerConfig(max_num_seqs=64, max_num_batched_tokens=512))
+    inputs, outputs = [2048], [1]
+    prefill_s = float(service_profile(model, np.array(inputs), np.array(outputs)).prefill_service_s[0])
+    workload = workload_from_rate(0.1 / prefill_s, inputs, outputs, {"vip": 1.0})
+    result = plan(model, workload, {"vip": prefill_s / 10}, None, target=0.99)
+    assert result.workers_needed is None and result.sustained_rate_per_worker_s == 0
+    text = format_plan(result)
+    assert "workers needed: more than the limit" in text and "why: even an idle worker misses the TTFT targets" in text

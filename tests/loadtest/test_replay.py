@@ -129,7 +129,7 @@ def test_replay_sized_to_capacity_on_the_default_config_replays_vip_as_standard_
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after 4 calibration requests" in proc.stdout and "replaying at 0.5 × capacity" in proc.stdout
-    assert "tier 'vip' is above what no API key gets (the gateway serves it as 'standard')" in proc.stderr
+    assert "tier 'vip' is above what a request without an API key gets (the gateway serves it as 'standard')" in proc.stderr
     assert "were served in tier" not in proc.stderr
     report = json.loads(out.read_text())
     assert set(report["summary"]["tiers"]) == {"standard", "free"}

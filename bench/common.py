@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from tests.support.server import SluiceProcess, free_port  # noqa: F401
@@ -11,6 +12,14 @@ from tests.support.server import SluiceProcess, free_port  # noqa: F401
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+async def sse_chunks(response) -> AsyncIterator[dict]:
+    """Yield each ``data:`` chunk of an OpenAI SSE stream (an aiohttp response) as a dict, ``[DONE]`` left out."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def percentile(values: list[float], q: float) -> float:

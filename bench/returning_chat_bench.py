@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from bench.common import SHARED_DATA, percentile, sluice_server, write_result  # noqa: E402
+from bench.common import SHARED_DATA, percentile, sluice_server, sse_chunks, write_result  # noqa: E402
 from worker.kv_cache.cachesim import TraceRequest, load_trace  # noqa: E402
 
 TRACE = SHARED_DATA / "mooncake_fast25" / "conversation_trace.jsonl"
@@ -109,11 +109,7 @@ async def complete(session: aiohttp.ClientSession, base_url: str, prompt: str) -
     ttft_ms, usage = None, {}
     async with session.post(base_url + "/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if ttft_ms is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                 ttft_ms = (time.perf_counter() - start_s) * 1000
             usage = chunk.get("usage") or usage

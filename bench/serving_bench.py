@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import statistics
@@ -35,7 +34,7 @@ import urllib.request
 
 import aiohttp
 
-from bench.common import free_port, mt_bench_prompts, percentile, sluice_server, write_result
+from bench.common import free_port, mt_bench_prompts, percentile, sluice_server, sse_chunks, write_result
 
 NEW_TOKENS = 128
 REPEATS = 3
@@ -80,11 +79,7 @@ async def _stream_one(session: aiohttp.ClientSession, base_url: str, prompt: str
     deltas = 0
     async with session.post(base_url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                 deltas += 1
                 if ttft_s is None:

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from gateway.jobs.redis_store import RedisJobStore
 from gateway.jobs.sqlite_store import SqliteJobStore
 from gateway.jobs.store import JobStore
-from shared.config import JobsConfig
-
-
-def default_sqlite_path() -> str:
-    """Return the SQLite file used when ``jobs.sqlite_path`` is empty: ``$XDG_STATE_HOME/sluice/jobs.sqlite3``."""
-    state_home = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state_home, "sluice", "jobs.sqlite3")
+from shared.config import JobsConfig, default_jobs_sqlite_path
 
 
 def make_store(config: JobsConfig) -> JobStore:
@@ -23,7 +15,7 @@ def make_store(config: JobsConfig) -> JobStore:
         ValueError: an unknown store name (the config's ``Literal`` normally prevents it).
     """
     if config.store == "sqlite":
-        return SqliteJobStore(config.sqlite_path or default_sqlite_path())
+        return SqliteJobStore(config.sqlite_path or default_jobs_sqlite_path())
     if config.store == "redis":
         return RedisJobStore(config.redis_url, config.redis_key_prefix)
     raise ValueError(f"jobs.store: unknown store {config.store!r}; valid: sqlite, redis")

@@ -87,7 +87,9 @@ def test_start_log_says_ready_at_the_url_warns_of_the_simulator_and_keeps_retrie
         with urllib.request.urlopen(base_url + "/favicon.ico", timeout=10) as response:
             assert response.status == 204 and response.read() == b""
         deadline = time.monotonic() + 10
-        while not server.log_events("request"):
+        # "ready at" is logged by a task that polls the fleet every READY_POLL_INTERVAL_S, so it may follow the
+        # first answered request by up to that long: wait for both lines.
+        while not (server.log_events("request") and server.log_events(f"ready at {base_url}")):
             assert time.monotonic() < deadline, server.log_tail()
             time.sleep(0.1)
         ready = server.log_events(f"ready at {base_url}")

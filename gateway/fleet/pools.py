@@ -35,7 +35,7 @@ class ElasticWorkerPool(WorkerPool):
 
     def add_client(self, client: WorkerClient) -> None:
         """Serve from ``client`` too (its capacity changes reach admission)."""
-        client.on_change = self._changed
+        client.on_change = self._client_changed
         self.clients.append(client)
         self._changed()
 

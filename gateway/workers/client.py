@@ -99,6 +99,7 @@ class WorkerClient:
         self.num_connections = 0
         self._on_capacity = on_capacity
         self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[bytes] = []  # frames queued in this event-loop iteration (see _send)
         self._codec = gateway_codec()
         self._streams: dict[str, RequestStream] = {}
         self._ready = asyncio.Event()
@@ -282,7 +283,7 @@ class WorkerClient:
         stream = RequestStream(message.request_id, self)
         stream.reservation = reservation
         self._streams[message.request_id] = stream
-        self._writer.write(self._codec.encode(message))
+        self._send(self._codec.encode(message))
         return stream
 
     def mark_draining(self) -> None:
@@ -293,7 +294,7 @@ class WorkerClient:
     def send_drain(self) -> None:
         """Send the protocol's ``Drain``: the worker finishes what it runs and refuses new requests."""
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(self._codec.encode(Drain()))
+            self._send(self._codec.encode(Drain()))
 
     def abort(self, request_id: str) -> None:
         """Send ``Abort`` for a request that has not ended, and forget it (synchronous: safe in ``finally``)."""
@@ -302,7 +303,30 @@ class WorkerClient:
             return
         stream.done = True
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(self._codec.encode(Abort(request_id)))
+            self._send(self._codec.encode(Abort(request_id)))
+
+    def _send(self, frame: bytes) -> None:
+        """Queue one encoded frame for the worker. The frames queued in one event-loop iteration leave together,
+        in order, in one write at the end of it (one system call for a burst of dispatches and aborts instead of
+        one each); without a running loop (shutdown) the frame is written at once."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write([frame])
+            return
+        self._outbox.append(frame)
+        if len(self._outbox) == 1:
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        frames, self._outbox = self._outbox, []
+        if frames:
+            self._write(frames)
+
+    def _write(self, frames: list[bytes]) -> None:
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
     # ------------------------------------------------------------------ connection
 
@@ -409,6 +433,7 @@ class WorkerClient:
 
     def _disconnect(self, reason: str) -> None:
         writer, self._writer = self._writer, None
+        self._outbox.clear()  # frames for the lost connection; their streams fail below
         if writer is not None:
             writer.close()
             log.warning("worker_disconnected", worker=self.name, reason=reason, in_flight=len(self._streams))

@@ -86,8 +86,9 @@ class WorkerPool:
         self._reservation_ids = itertools.count(1)
         self._known_prefill_tokens_per_s = 0.0
         self.on_change = on_change
+        self._client_change_scheduled = False
         for client in clients:
-            client.on_change = self._changed
+            client.on_change = self._client_changed
 
     @classmethod
     def make_breaker(cls, config: BreakerConfig) -> CircuitBreaker:
@@ -97,6 +98,25 @@ class WorkerPool:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    def _client_changed(self) -> None:
+        """A worker's capacity may have changed (a capacity report, a first token, Hello, a lost connection): call
+        ``on_change`` once at the end of this event-loop iteration, however many of the worker messages read in it
+        changed something — one dispatch pass for a step's batch of first tokens and reports, not one each.
+        Without a running loop, at once."""
+        if self._client_change_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._changed()
+            return
+        self._client_change_scheduled = True
+        loop.call_soon(self._run_client_change)
+
+    def _run_client_change(self) -> None:
+        self._client_change_scheduled = False
+        self._changed()
 
     def ready_clients(self) -> list[WorkerClient]:
         return [c for c in self.clients if c.ready]

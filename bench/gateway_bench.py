@@ -264,12 +264,13 @@ def summarize(name: str, phase: dict, cpu_s: float, log_lines: dict[str, dict]) 
 
 
 def _start_py_spy(pid: int, svg_path: str) -> subprocess.Popen:
-    """Sample ``pid`` with py-spy (``pip install py-spy``) until SIGINT: a flame graph, or collapsed stacks when
+    """Sample ``pid`` with py-spy (``pip install py-spy``) until SIGINT, only the thread holding the GIL (Python CPU,
+    not threads waiting for it): a flame graph, or collapsed stacks when
     ``svg_path`` ends in ``.txt``."""
     py_spy = str(Path(sys.executable).parent / "py-spy")
     output_format = "raw" if svg_path.endswith(".txt") else "flamegraph"
     spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--output", svg_path, "--format", output_format,
-                            "--rate", "250", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            "--rate", "250", "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     return spy
 

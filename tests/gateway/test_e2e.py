@@ -344,6 +344,16 @@ def test_bc11_split_utf8_never_streamed_as_replacement(server):
     assert "\\ud8" not in a.body.decode() and "\\udc" not in a.body.decode()
 
 
+def test_completion_of_a_prompt_ending_inside_a_character_starts_with_that_whole_character(server):
+    # "Hello world " and the bytes F0 9F: the model's first tokens finish the emoji, which the answer carries whole
+    prompt = [19556, 905, 216, 10813]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    streamed = _post_sse(server, "/v1/completions", {**body, "stream": True}).text()
+    assert plain == streamed
+    assert "\ufffd" not in plain and plain[0].encode()[:2] == b"\xf0\x9f", plain
+
+
 def test_bc12_high_temperature_japanese_never_crashes(server):
     body = {"model": MODEL, "prompt": "日本語で長い物語を書いてください。", "max_tokens": 48, "temperature": 2.0,
             "top_p": 1.0}

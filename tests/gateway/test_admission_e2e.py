@@ -203,6 +203,11 @@ class Reply:
         return int(self.headers["retry-after"])
 
     @property
+    def reject_reason(self) -> str | None:
+        """The ``x-sluice-reject-reason`` header (every 429 / 503 names the body's code in it)."""
+        return self.headers.get("x-sluice-reject-reason")
+
+    @property
     def error_code(self) -> str:
         return self.json()["error"]["code"]
 
@@ -343,6 +348,7 @@ async def test_bc26_rate_limit_is_429_rate_limit_exceeded_with_retry_after(overl
     assert [r.status for r in replies] == [200, 200, 429]
     limited = replies[2]
     assert limited.error_code == "rate_limit_exceeded" and limited.json()["error"]["type"] == "rate_limit_error"
+    assert limited.reject_reason == "rate_limit_exceeded"
     assert 1 <= limited.retry_after_s <= 31  # one request of 2 per minute refills in 30 s
     status = overload.status()
     assert tier_stats(status, "standard")["rejected"]["rate_limit_exceeded"] >= 1
@@ -362,6 +368,7 @@ async def test_bc25_bc26_queue_full_is_503_queue_full_with_retry_after_and_json_
                                          for _ in range(10)))
         for reply in (a, b, *repeats):
             assert reply.status == 503 and reply.error_code == "queue_full", reply.body
+            assert reply.reject_reason == "queue_full"
             assert reply.headers["retry-after"].isdigit() and reply.retry_after_s >= 1
             assert reply.elapsed_s < 1.0  # at once, not after waiting
         assert b.headers["content-type"].startswith("application/json") and not b.body.startswith(b"data:")
@@ -419,10 +426,11 @@ async def test_bc26_queue_timeout_sheds_at_the_deadline_and_early_rejection_at_a
         early = await post(http, overload.base_url, _chat(max_tokens=4), headers=_tier("batch"))
         assert early.status == 503 and early.error_code == "predicted_queue_timeout", early.body
         assert early.elapsed_s < 0.5 and early.retry_after_s >= 1
+        assert early.reject_reason == "predicted_queue_timeout"
         timed_out = await waiting
         assert timed_out.status == 503 and timed_out.error_code == "queue_timeout", timed_out.body
         assert 1.5 <= timed_out.elapsed_s <= 2.5  # shed at the configured timeout, not later and not never
-        assert timed_out.retry_after_s >= 1
+        assert timed_out.retry_after_s >= 1 and timed_out.reject_reason == "queue_timeout"
     finally:
         await saturation.release()
     after = tier_stats(overload.status(), "batch")
@@ -684,6 +692,7 @@ async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overl
     await asyncio.sleep(0.2)
     rejected = await post(http, overload.base_url, _chat(max_tokens=4))
     assert rejected.status == 503 and rejected.error_code == "server_draining" and rejected.retry_after_s >= 1
+    assert rejected.reject_reason == "server_draining"
     assert get_json(overload.base_url + "/readyz")[0] == 503
     done = await running
     events = done.events()
@@ -726,39 +735,47 @@ def _workers_by_name(status: dict) -> dict[str, dict]:
     return {w["name"]: w for w in status["workers"]}
 
 
-async def test_first_token_timeout_retry_breaker_open_half_open_close(health, http):
+async def test_first_token_timeout_breaker_open_half_open_close(health, http):
     gateway, fakes, _ = health
     fake_a, fake_b = fakes.workers
     workers = _workers_by_name(gateway.status())
     assert workers["remote-3"]["ready"] is False  # nothing listens there: never routed to
     assert [workers[f"remote-{i}"]["ready"] for i in range(3)] == [True, True, True]
 
-    # A accepts and stays silent: 504 worker_timeout after the retry on B (also silent); JSON, not SSE
+    # A accepts and stays silent: 504 worker_timeout at the first-token deadline (0.8 s), which bounds the whole
+    # choice: no time is left for a retry, on B or anywhere; JSON, not SSE
     plain = await post(http, gateway.base_url, {"model": MODEL, "prompt": "one", "max_tokens": 4}, COMPLETIONS)
     assert plain.status == 504 and plain.error_code == "worker_timeout", plain.body
-    assert 1.6 <= plain.elapsed_s < 3.0  # first-token deadline (0.8 s) on A, then on B
-    assert len(fake_a.generates) == 1 and len(fake_b.generates) == 1 and len(fake_a.aborts) == 1
+    assert 0.8 <= plain.elapsed_s < 1.6
+    assert len(fake_a.generates) == 1 and len(fake_b.generates) == 0 and len(fake_a.aborts) == 1
     streamed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "two", "max_tokens": 4,
                                                    "stream": True}, COMPLETIONS)
     assert streamed.status == 504 and not streamed.body.startswith(b"data:")
-    status = gateway.status()
-    workers = _workers_by_name(status)
+    assert _workers_by_name(gateway.status())["remote-0"]["breaker"]["state"] == "open"  # two timeouts
+    # A's breaker is open: B (also silent) takes the next two and opens too
+    for prompt in ("three", "four"):
+        reply = await post(http, gateway.base_url, {"model": MODEL, "prompt": prompt, "max_tokens": 4}, COMPLETIONS)
+        assert reply.status == 504 and reply.error_code == "worker_timeout", reply.body
+    assert len(fake_a.generates) == 2 and len(fake_b.generates) == 2
+    workers = _workers_by_name(gateway.status())
     assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-1"]["breaker"]["state"] == "open"
     async with http.get(gateway.base_url + "/metrics") as response:
         assert metric_value(await response.text(), "sluice_breaker_state", worker="remote-0") == 2.0
 
     # both breakers open: the sim worker serves at once and the fakes see nothing
-    served = await post(http, gateway.base_url, {"model": MODEL, "prompt": "three", "max_tokens": 4}, COMPLETIONS)
+    served = await post(http, gateway.base_url, {"model": MODEL, "prompt": "five", "max_tokens": 4}, COMPLETIONS)
     assert served.status == 200 and served.elapsed_s < 0.8
     assert len(fake_a.generates) == 2 and len(fake_b.generates) == 2
 
-    # after the cooldown both are half-open; A's probe times out (open again), the retry probes B, which answers
+    # after the cooldown both are half-open; A's probe times out (open again), the next request probes B, which
+    # answers
     fake_b.mode = "ok"
     await asyncio.sleep(1.6)
     assert _workers_by_name(gateway.status())["remote-0"]["breaker"]["state"] == "half_open"
-    probed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "four", "max_tokens": 4}, COMPLETIONS)
+    probe_a = await post(http, gateway.base_url, {"model": MODEL, "prompt": "six", "max_tokens": 4}, COMPLETIONS)
+    assert probe_a.status == 504 and len(fake_a.generates) == 3 and len(fake_b.generates) == 2
+    probed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "seven", "max_tokens": 4}, COMPLETIONS)
     assert probed.status == 200 and probed.json()["usage"]["completion_tokens"] == 4
-    assert 0.8 <= probed.elapsed_s < 2.0  # retried before the first byte, on another worker
     assert len(fake_a.generates) == 3 and len(fake_b.generates) == 3
     workers = _workers_by_name(gateway.status())
     assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-0"]["breaker"]["num_opens"] == 2
@@ -789,4 +806,5 @@ async def test_bc26_no_worker_at_all_is_503_no_worker_available(health, http):
     replies = [await post(http, gateway.base_url, _chat(max_tokens=4)) for _ in range(3)]
     for reply in replies:
         assert reply.status == 503 and reply.error_code == "no_worker_available" and reply.retry_after_s >= 1
+        assert reply.reject_reason == "no_worker_available"
     assert get_json(gateway.base_url + "/readyz")[0] == 503

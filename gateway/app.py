@@ -21,6 +21,7 @@ from typing import AsyncIterator
 import structlog
 from aiohttp import web
 
+from gateway.http.body_deadline import BodyDeadline
 from gateway.http.middleware import add_gateway_header, error_middleware
 from gateway.http.routes import add_routes, setup_cors
 from gateway.pipeline.request import RequestPipeline
@@ -119,7 +120,9 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
         metrics: a metrics registry to use; None makes a fresh one.
     """
     config = options.config
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes)
+    body_deadline = BodyDeadline(config.gateway.body_read_timeout_s, config.gateway.max_unfinished_bodies)
+    app = web.Application(middlewares=[error_middleware, body_deadline.middleware],
+                          client_max_size=config.gateway.max_body_bytes)
     app[OPTIONS] = options
     app[CONFIG] = config
     app[STARTED_AT] = time.time()

@@ -149,7 +149,9 @@ class RequestPipeline:
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
         route = self.fleet.route(body.model, principal.tier)
         runtime = route.runtime
-        context_tokens = runtime.pool.max_model_len_tokens(config.model.max_model_len_tokens)
+        # the longest sequence the pool's KV can ever give this tier: a prompt past it is a 400 now, not a wait
+        context_tokens = runtime.pool.max_model_len_tokens(
+            config.model.max_model_len_tokens, runtime.capper.reserved_kv_fraction_above(principal.tier.name))
         requested = openai_api.requested_max_tokens(body)
         prompt_param = "messages" if kind == "chat" else "prompt"
         caps = [

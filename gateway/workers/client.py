@@ -25,6 +25,7 @@ import msgspec
 import structlog
 
 from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.kv_booking import KvBooking
 from gateway.workers.stream import RequestStream, error_code
 from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, authenticate_worker
 from shared.errors import ErrorCode, SluiceError
@@ -90,7 +91,7 @@ class WorkerClient:
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.on_change: Callable[[], None] | None = None  # set by the pool: capacity, status or request end
         self.num_reserved = 0  # reservations (dispatched or about to be) of this gateway on this worker
-        self.reserved_blocks = 0  # their KV demand in blocks (prompt + capped output each)
+        self.kv_booking = KvBooking()  # their KV demand in blocks, shared prompt blocks counted once
         self.prefix_hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.hello: Hello | None = None
         self.capacity: Capacity | None = None
@@ -136,10 +137,15 @@ class WorkerClient:
         return self.hello.num_kv_blocks if self.hello is not None else 0
 
     @property
+    def reserved_blocks(self) -> int:
+        """KV blocks booked by this gateway's reservations (:class:`~gateway.workers.kv_booking.KvBooking`)."""
+        return self.kv_booking.num_blocks
+
+    @property
     def committed_kv_blocks(self) -> int:
         """KV blocks promised or in use: this gateway's reservations, or the worker's used blocks when more."""
         used = self.capacity.used_kv_blocks if self.capacity is not None else 0
-        return max(self.reserved_blocks, used)
+        return max(self.kv_booking.num_blocks, used)
 
     @property
     def prefill_tokens_per_s(self) -> float:

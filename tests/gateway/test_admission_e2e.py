@@ -459,6 +459,26 @@ async def test_reserved_share_keeps_room_for_the_top_tier(overload, http):
         await saturation.release()
 
 
+async def test_a_prompt_past_its_tiers_share_of_the_kv_pool_is_400_context_length_exceeded_not_a_wait(overload, http):
+    # 128 blocks of 16 tokens; vip keeps half of them, so a standard request can never hold more than 64 blocks
+    async with http.get(overload.base_url + "/v1/models") as response:
+        assert (await response.json())["data"][0]["max_model_len"] == 2048  # the whole pool: vip's limit
+    long_prompt = [198] * 1100  # 1,100 tokens: fits the pool, never the standard tier's 1,024
+    refused = await post(http, overload.base_url, {"model": MODEL, "prompt": long_prompt, "max_tokens": 4},
+                         COMPLETIONS)
+    assert refused.status == 400 and refused.error_code == "context_length_exceeded", refused.body
+    assert "1024 tokens" in refused.json()["error"]["message"] and refused.json()["error"]["param"] == "prompt"
+    assert "retry-after" not in refused.headers
+    served = await post(http, overload.base_url, {"model": MODEL, "prompt": long_prompt, "max_tokens": 4},
+                        COMPLETIONS, headers=_tier("vip"))
+    assert served.status == 200 and served.json()["usage"]["prompt_tokens"] == 1100
+    # a prompt that fits gets its output capped to what is left of the share, and is served
+    capped = await post(http, overload.base_url, {"model": MODEL, "prompt": [198] * 1000, "max_tokens": 200,
+                                                  "ignore_eos": True}, COMPLETIONS)
+    assert capped.status == 200 and capped.json()["usage"]["completion_tokens"] == 24, capped.body
+    await settle(overload)
+
+
 async def test_bc28_top_tier_starts_within_one_step_of_capacity_freeing(overload, http):
     await settle(overload)
     body = _chat("Write the numbers from 1 to 5000.")
@@ -743,19 +763,20 @@ async def test_first_token_timeout_breaker_open_half_open_close(health, http):
     assert [workers[f"remote-{i}"]["ready"] for i in range(3)] == [True, True, True]
 
     # A accepts and stays silent: 504 worker_timeout at the first-token deadline (0.8 s), which bounds the whole
-    # choice: no time is left for a retry, on B or anywhere; JSON, not SSE
-    plain = await post(http, gateway.base_url, {"model": MODEL, "prompt": "one", "max_tokens": 4}, COMPLETIONS)
+    # choice: no time is left for a retry, on B or anywhere; JSON, not SSE. Two at once, both routed to A (the
+    # biggest KV pool), so that A's breaker opens at once (threshold 2)
+    plain, streamed = await asyncio.gather(
+        post(http, gateway.base_url, {"model": MODEL, "prompt": "one", "max_tokens": 4}, COMPLETIONS),
+        post(http, gateway.base_url, {"model": MODEL, "prompt": "two", "max_tokens": 4, "stream": True},
+             COMPLETIONS))
     assert plain.status == 504 and plain.error_code == "worker_timeout", plain.body
     assert 0.8 <= plain.elapsed_s < 1.6
-    assert len(fake_a.generates) == 1 and len(fake_b.generates) == 0 and len(fake_a.aborts) == 1
-    streamed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "two", "max_tokens": 4,
-                                                   "stream": True}, COMPLETIONS)
     assert streamed.status == 504 and not streamed.body.startswith(b"data:")
-    assert _workers_by_name(gateway.status())["remote-0"]["breaker"]["state"] == "open"  # two timeouts
+    assert len(fake_a.generates) == 2 and len(fake_b.generates) == 0 and len(fake_a.aborts) == 2
     # A's breaker is open: B (also silent) takes the next two and opens too
-    for prompt in ("three", "four"):
-        reply = await post(http, gateway.base_url, {"model": MODEL, "prompt": prompt, "max_tokens": 4}, COMPLETIONS)
-        assert reply.status == 504 and reply.error_code == "worker_timeout", reply.body
+    replies = await asyncio.gather(*(post(http, gateway.base_url, {"model": MODEL, "prompt": prompt, "max_tokens": 4},
+                                          COMPLETIONS) for prompt in ("three", "four")))
+    assert all(r.status == 504 and r.error_code == "worker_timeout" for r in replies), replies
     assert len(fake_a.generates) == 2 and len(fake_b.generates) == 2
     workers = _workers_by_name(gateway.status())
     assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-1"]["breaker"]["state"] == "open"

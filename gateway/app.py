@@ -26,6 +26,7 @@ from gateway.http.middleware import add_gateway_header, error_middleware
 from gateway.http.routes import add_routes, setup_cors
 from gateway.pipeline.request import RequestPipeline
 from gateway.admission.caps import OutputCapper
+from gateway.fleet.deep_ready import PROBE_TIMEOUT_S, DeepReadiness
 from gateway.fleet.fleet import Fleet
 from gateway.jobs import setup_jobs
 from gateway.metrics import Metrics
@@ -34,6 +35,7 @@ from gateway.state import (
     ADMISSION,
     CAPPER,
     CONFIG,
+    DEEP_READY,
     FLEET,
     GATEWAY_ID,
     RESOLVER,
@@ -49,9 +51,11 @@ from gateway.state import (
 from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_stats
 from gateway.pipeline.classify import TierResolver
 from gateway.pipeline.tokenize import Tokenizer
-from shared.config import resolve_model_path
+from shared.config import effective_tiers, resolve_model_path
 
 log = structlog.get_logger("sluice.gateway")
+
+DEEP_READY_PROMPT = "Hello"  # what /readyz?deep=1 asks every worker to continue by one token
 
 
 # ---------------------------------------------------------------------- resources (cleanup_ctx)
@@ -87,8 +91,14 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     app[ADMISSION] = fleet.default.admission
     app[PIPELINE] = RequestPipeline(config, fleet, app[TOKENIZER], metrics)
     metrics.attach_state(fleet.admission_stats, fleet.worker_status)
+    top_tier = max(effective_tiers(config), key=lambda tier: tier.priority)
+    app[DEEP_READY] = DeepReadiness(
+        lambda: [client for runtime in fleet.runtimes.values() for client in runtime.pool.ready_clients()],
+        app[TOKENIZER].encode_text_sync(DEEP_READY_PROMPT), top_tier.name, top_tier.priority,
+        min(PROBE_TIMEOUT_S, config.gateway.first_token_timeout_s))
     fleet.start()
     yield
+    await app[DEEP_READY].close()
     await fleet.close()  # sheds what is still queued (503 server_draining), stops workers, closes connections
 
 

@@ -33,6 +33,7 @@ class ErrorCode(str, enum.Enum):
     NO_WORKER = "no_worker_available"
     WORKER_FAILED = "worker_failed"
     WORKER_TIMEOUT = "worker_timeout"
+    WORKER_NOT_GENERATING = "worker_not_generating"
     DRAINING = "server_draining"
     INTERNAL = "internal_error"
 
@@ -59,6 +60,7 @@ _CODE_TO_STATUS_AND_TYPE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.NO_WORKER: (503, "server_error"),
     ErrorCode.WORKER_FAILED: (502, "server_error"),
     ErrorCode.WORKER_TIMEOUT: (504, "server_error"),
+    ErrorCode.WORKER_NOT_GENERATING: (503, "server_error"),
     ErrorCode.DRAINING: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
 }

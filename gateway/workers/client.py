@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -96,6 +97,7 @@ class WorkerClient:
         self.hello: Hello | None = None
         self.capacity: Capacity | None = None
         self.capacity_at_s = 0.0
+        self.last_token_at_s = -math.inf  # time.monotonic() of the last token of any request (deep readiness)
         self.connected_at_s = 0.0
         self.num_connections = 0
         self._on_capacity = on_capacity
@@ -386,6 +388,7 @@ class WorkerClient:
     def _on_message(self, message: msgspec.Struct) -> None:
         match message:
             case TokenDelta(request_id=request_id):
+                self.last_token_at_s = time.monotonic()
                 stream = self._streams.get(request_id)
                 if stream is not None:
                     stream._push(message)

@@ -482,9 +482,12 @@ async def test_a_prompt_past_its_tiers_share_of_the_kv_pool_is_400_context_lengt
 async def test_bc28_top_tier_starts_within_one_step_of_capacity_freeing(overload, http):
     await settle(overload)
     body = _chat("Write the numbers from 1 to 5000.")
-    low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": m}, _tier("free")))
-           for m in (6, 12)]
-    await wait_status(overload, lambda s: tier_stats(s, "free")["in_flight"] == 2)
+    # two standard answers fill both slots; the first ends about 2.4 s after it starts (24 steps), so the vip
+    # request arrives while every slot is taken however slowly the queue fills on a busy machine, and the free
+    # requests queued meanwhile age by less than the vip's lead in that time (aging 0.5 / s, priorities 3 and 1)
+    low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": m, "ignore_eos": True},
+                                            _tier("standard"))) for m in (24, 40)]
+    await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 2)
     queued_low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": 12},
                                                    _tier("free"))) for _ in range(2)]
     await wait_status(overload, lambda s: tier_stats(s, "free")["queue_depth"] == 2)
@@ -801,6 +804,24 @@ async def test_first_token_timeout_breaker_open_half_open_close(health, http):
     workers = _workers_by_name(gateway.status())
     assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-0"]["breaker"]["num_opens"] == 2
     assert workers["remote-1"]["breaker"]["state"] == "closed"
+
+
+async def test_deep_readiness_is_503_naming_the_connected_worker_that_cannot_generate(health, http):
+    gateway, fakes, _ = health
+    fake_a, fake_b = fakes.workers
+    assert fake_a.mode == "silent" and fake_b.mode == "ok"  # A has never sent a token; B and the sim worker do
+    async with http.get(gateway.base_url + "/readyz") as response:
+        assert response.status == 200  # connected and said Hello: ready for the plain check
+    num_probes = len(fake_a.generates)
+    for _ in range(2):  # the second answer comes from the cache: A is not probed again
+        async with http.get(gateway.base_url + "/readyz?deep=1") as response:
+            body = await response.json()
+            assert response.status == 503 and body["error"]["code"] == "worker_not_generating", body
+            assert response.headers["x-sluice-reject-reason"] == "worker_not_generating"
+        message = body["error"]["message"]
+        assert "remote-0 generated no token within 0.8 s" in message
+        assert "remote-1" not in message and "remote-2" not in message, message
+        assert len(fake_a.generates) == num_probes + 1 and len(fake_a.aborts) >= 1
 
 
 async def test_stall_after_the_first_token_is_an_in_band_error_and_504_without_a_stream(health, http):

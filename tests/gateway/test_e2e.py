@@ -552,6 +552,11 @@ def test_bc05_reset_stream_releases_the_request_and_the_gateway_serves_on(server
     assert time.perf_counter() - started < 60
 
 
+def test_deep_readiness_has_every_worker_generate_a_token(server):
+    status, body = get_json(server.base_url + "/readyz?deep=1", timeout_s=120)
+    assert status == 200 and body["generated"] == [w["name"] for w in server.status()["workers"]], body
+
+
 def test_metrics_after_traffic(server):
     text = _request(server.base_url + "/metrics").text
     for name in ("sluice_requests_total", "sluice_ttft_seconds_count", "sluice_inter_token_latency_seconds_count",

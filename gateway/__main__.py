@@ -10,6 +10,9 @@ Graceful drain: on SIGTERM (or SIGINT) the gateway stops admitting — queued an
 most ``gateway.drain_timeout_s``; then it closes the listener, cancels what is left, stops its local workers and
 exits 0. A second signal skips the rest of the drain.
 
+The listening socket is bound before anything else starts: an address already in use (or one this machine does not
+have) ends ``sluice serve`` with one line naming it and exit status 1, before any worker is spawned.
+
 Several gateway processes on one machine: start each with ``--reuse-port`` (``gateway.reuse_port``) on the same
 port; the kernel spreads new connections over them (``SO_REUSEPORT``). Give them the same Redis (``[ratelimit]`` or
 ``[registry]``) so per-key limits and tier queue bounds hold across them.
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import errno
 import gc
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -36,6 +42,10 @@ from shared.logs import configure_logging
 
 log = structlog.get_logger("sluice.gateway")
 
+# glibc's mallopt parameter, and the size from which an allocation gets its own mapping (glibc's initial default).
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+LISTEN_BACKLOG = 1024
 SHUTDOWN_TIMEOUT_S = 2.0  # after the drain: how long aiohttp waits for handlers before cancelling them
 DRAIN_POLL_INTERVAL_S = 0.05
 READY_POLL_INTERVAL_S = 0.1
@@ -120,8 +130,66 @@ async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) ->
     return metrics.num_active_requests
 
 
-async def serve(options: GatewayOptions) -> None:
-    """Run the gateway until SIGINT/SIGTERM, drain, then shut down in order (listener, requests, workers)."""
+def return_large_blocks_to_the_os() -> None:
+    """Keep glibc serving every allocation of :data:`MMAP_THRESHOLD_BYTES` or more from its own mapping, given back
+    to the OS when freed (``mallopt(M_MMAP_THRESHOLD)``; a no-op on another C library, or when the user set
+    ``MALLOC_MMAP_THRESHOLD_``). By default glibc raises the threshold to the size of the largest block freed, after
+    which large request bodies and prompts are carved from the heap and their memory stays with the gateway long
+    after (bench/oversized_prompt_bench.py: RSS 1.09 × its baseline 30 s after eight 600 KB prompts, 1.04 × with
+    the fixed threshold)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+class ListenError(OSError):
+    """The gateway cannot listen on its address; the message says which address and why, in one line."""
+
+
+def bind_listeners(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """Bind and listen on every address ``host:port`` resolves to (as ``loop.create_server`` does), non-blocking.
+
+    Raises:
+        ListenError: an address is taken, not this machine's, or not allowed; no socket stays open.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                shown = f"[{address[0]}]:{address[1]}" if family == socket.AF_INET6 else f"{address[0]}:{address[1]}"
+                if exc.errno == errno.EADDRINUSE:
+                    raise ListenError(f"{shown} is already in use (another sluice serve? choose another --port)") \
+                        from None
+                raise ListenError(f"cannot listen on {shown}: {exc.strerror}") from None
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def serve(options: GatewayOptions, listeners: list[socket.socket]) -> None:
+    """Run the gateway on the bound ``listeners`` until SIGINT/SIGTERM, drain, then shut down in order (listener,
+    requests, workers)."""
     config = options.config
     app = build_app(options)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -129,9 +197,8 @@ async def serve(options: GatewayOptions) -> None:
     await runner.setup()
     announcer: asyncio.Task[None] | None = None
     try:
-        site = web.TCPSite(runner, config.gateway.host, config.gateway.port, backlog=1024,
-                           reuse_port=config.gateway.reuse_port)
-        await site.start()
+        for sock in listeners:
+            await web.SockSite(runner, sock).start()
         tune_gc()
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port, pid=os.getpid(),
                  gateway_id=app[GATEWAY_ID], reuse_port=config.gateway.reuse_port, model=config.model.name)
@@ -175,11 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     config_path = os.path.abspath(args.config) if args.config else None
     options = GatewayOptions(config=config, config_path=config_path, worker_addresses=args.worker_address)
     try:
+        listeners = bind_listeners(config.gateway.host, config.gateway.port, config.gateway.reuse_port)
+    except ListenError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 1
+    return_large_blocks_to_the_os()
+    try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(options))
+        asyncio.run(serve(options, listeners))
     else:
-        uvloop.run(serve(options))
+        uvloop.run(serve(options, listeners))
     return 0
 
 

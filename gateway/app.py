@@ -21,10 +21,12 @@ from typing import AsyncIterator
 import structlog
 from aiohttp import web
 
+from gateway.http.body_deadline import BodyDeadline
 from gateway.http.middleware import add_gateway_header, error_middleware
 from gateway.http.routes import add_routes, setup_cors
 from gateway.pipeline.request import RequestPipeline
 from gateway.admission.caps import OutputCapper
+from gateway.fleet.deep_ready import PROBE_TIMEOUT_S, DeepReadiness
 from gateway.fleet.fleet import Fleet
 from gateway.jobs import setup_jobs
 from gateway.metrics import Metrics
@@ -33,6 +35,7 @@ from gateway.state import (
     ADMISSION,
     CAPPER,
     CONFIG,
+    DEEP_READY,
     FLEET,
     GATEWAY_ID,
     RESOLVER,
@@ -48,9 +51,11 @@ from gateway.state import (
 from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_stats
 from gateway.pipeline.classify import TierResolver
 from gateway.pipeline.tokenize import Tokenizer
-from shared.config import resolve_model_path
+from shared.config import effective_tiers, resolve_model_path
 
 log = structlog.get_logger("sluice.gateway")
+
+DEEP_READY_PROMPT = "Hello"  # what /readyz?deep=1 asks every worker to continue by one token
 
 
 # ---------------------------------------------------------------------- resources (cleanup_ctx)
@@ -86,8 +91,14 @@ async def _workers_ctx(app: web.Application) -> AsyncIterator[None]:
     app[ADMISSION] = fleet.default.admission
     app[PIPELINE] = RequestPipeline(config, fleet, app[TOKENIZER], metrics)
     metrics.attach_state(fleet.admission_stats, fleet.worker_status)
+    top_tier = max(effective_tiers(config), key=lambda tier: tier.priority)
+    app[DEEP_READY] = DeepReadiness(
+        lambda: [client for runtime in fleet.runtimes.values() for client in runtime.pool.ready_clients()],
+        app[TOKENIZER].encode_text_sync(DEEP_READY_PROMPT), top_tier.name, top_tier.priority,
+        min(PROBE_TIMEOUT_S, config.gateway.first_token_timeout_s))
     fleet.start()
     yield
+    await app[DEEP_READY].close()
     await fleet.close()  # sheds what is still queued (503 server_draining), stops workers, closes connections
 
 
@@ -119,7 +130,9 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
         metrics: a metrics registry to use; None makes a fresh one.
     """
     config = options.config
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.gateway.max_body_bytes)
+    body_deadline = BodyDeadline(config.gateway.body_read_timeout_s, config.gateway.max_unfinished_bodies)
+    app = web.Application(middlewares=[error_middleware, body_deadline.middleware],
+                          client_max_size=config.gateway.max_body_bytes)
     app[OPTIONS] = options
     app[CONFIG] = config
     app[STARTED_AT] = time.time()

@@ -43,6 +43,8 @@ class Metrics:
         prompt_tokens, completion_tokens: ``sluice_prompt_tokens_total``, ``sluice_completion_tokens_total``.
         gateway_overhead: ``sluice_gateway_overhead_seconds`` = gateway TTFT − worker time to first token.
         active_requests: ``sluice_active_requests`` requests being served now (``active_streams`` of the cases).
+        unfinished_request_bodies: ``sluice_unfinished_request_bodies`` request bodies being received now (a
+            slow-body attack shows here; ``gateway.max_unfinished_bodies`` bounds it).
         worker_kv_usage: ``sluice_worker_kv_usage{worker}`` used / total KV blocks.
         worker_kv_blocks_used: ``sluice_worker_kv_blocks_used{worker}``.
         worker_running: ``sluice_worker_requests_running{worker}``; worker_waiting likewise.
@@ -85,6 +87,8 @@ class Metrics:
                                           "Gateway TTFT minus the worker's time to first token",
                                           buckets=_OVERHEAD_BUCKETS_S, registry=r)
         self.active_requests = Gauge("sluice_active_requests", "Requests being served", registry=r)
+        self.unfinished_request_bodies = Gauge("sluice_unfinished_request_bodies", "Request bodies being received",
+                                               registry=r)
         self.worker_kv_usage = Gauge("sluice_worker_kv_usage", "Used / total KV blocks", ["worker"], registry=r)
         self.worker_kv_blocks_used = Gauge("sluice_worker_kv_blocks_used", "KV blocks held by sequences",
                                            ["worker"], registry=r)

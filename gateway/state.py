@@ -8,6 +8,7 @@ from aiohttp import web
 
 from gateway.admission.controller import AdmissionController
 from gateway.admission.caps import OutputCapper
+from gateway.fleet.deep_ready import DeepReadiness
 from gateway.fleet.fleet import Fleet
 from gateway.metrics import Metrics
 from gateway.admission.tier_counters import TierCounters
@@ -50,6 +51,7 @@ FLEET = web.AppKey("fleet", Fleet)  # pools, local and registry workers, autosca
 PIPELINE = web.AppKey("pipeline", RequestPipeline)  # the completion request steps, for HTTP and jobs
 GATEWAY_ID = web.AppKey("gateway_id", str)  # ``x-sluice-gateway`` on every response
 TIER_COUNTERS = web.AppKey("tier_counters", TierCounters)  # per-tier counts of all gateways, via Redis
+DEEP_READY = web.AppKey("deep_ready", DeepReadiness)  # /readyz?deep=1: every ready worker generates a token
 
 REQUEST_ID = web.RequestKey("request_id", str)
 REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

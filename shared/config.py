@@ -70,8 +70,10 @@ class GatewayConfig(_Section):
         max_n: most choices per request.
         max_stop_sequences: most stop strings per request.
         tokenizer_threads: threads for tokenization off the event loop.
-        first_token_timeout_s: a dispatched request with no token by then is aborted on its worker (a breaker
-            failure) and retried once on another worker; then 504 ``worker_timeout``.
+        first_token_timeout_s: the longest a client waits for a choice's first token once it is dispatched, over
+            all attempts: a worker that sends none by then is aborted (a breaker failure) and the client gets 504
+            ``worker_timeout``; a worker failure before the first token is retried once, on another worker when one
+            can serve, within what is left of it.
         stall_timeout_s: a request with no new token for this long fails (504 before the first byte, in-band after).
         worker_restart_backoff_s: wait before restarting a local worker that died.
         worker_start_timeout_s: a spawned worker that has not said Hello by then is restarted.
@@ -84,6 +86,10 @@ class GatewayConfig(_Section):
         reuse_port: listen with ``SO_REUSEPORT``, so several gateway processes on one machine share ``port`` and
             the kernel spreads new connections over them (each answers with its own ``x-sluice-gateway``; they
             share rate limits and tier counters through ``[ratelimit]``'s Redis).
+        body_read_timeout_s: a request body must arrive whole within this long of its headers, else 408
+            ``request_timeout`` (a body that never ends, or is shorter than its ``Content-Length``); uploads of large
+            batch files over slow links need it raised.
+        max_unfinished_bodies: most request bodies received at once; one more gets 503 ``server_overloaded``.
         cors_allow_origins: origins whose browser pages may call the gateway (CORS, with preflight): ``["*"]`` for
             any origin (vLLM's default), exact origins such as ``"https://chat.example.com"``, or empty (the
             default) for no CORS headers. Credentials (cookies) are never allowed; API keys travel in the
@@ -105,6 +111,8 @@ class GatewayConfig(_Section):
     worker_start_method: Literal["forkserver", "exec"] = "forkserver"
     drain_timeout_s: NonNegativeFloat = 30.0
     reuse_port: bool = False
+    body_read_timeout_s: PositiveFloat = 30.0
+    max_unfinished_bodies: PositiveInt = 256
     cors_allow_origins: tuple[str, ...] = ()
 
 

@@ -21,6 +21,7 @@ class ErrorCode(str, enum.Enum):
     MODEL_NOT_FOUND = "model_not_found"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     BODY_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INVALID_API_KEY = "invalid_api_key"
@@ -32,6 +33,7 @@ class ErrorCode(str, enum.Enum):
     NO_WORKER = "no_worker_available"
     WORKER_FAILED = "worker_failed"
     WORKER_TIMEOUT = "worker_timeout"
+    WORKER_NOT_GENERATING = "worker_not_generating"
     DRAINING = "server_draining"
     INTERNAL = "internal_error"
 
@@ -46,6 +48,7 @@ _CODE_TO_STATUS_AND_TYPE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     ErrorCode.BODY_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.REQUEST_TIMEOUT: (408, "invalid_request_error"),
     ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorCode.INVALID_API_KEY: (401, "authentication_error"),
@@ -57,6 +60,7 @@ _CODE_TO_STATUS_AND_TYPE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.NO_WORKER: (503, "server_error"),
     ErrorCode.WORKER_FAILED: (502, "server_error"),
     ErrorCode.WORKER_TIMEOUT: (504, "server_error"),
+    ErrorCode.WORKER_NOT_GENERATING: (503, "server_error"),
     ErrorCode.DRAINING: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
 }

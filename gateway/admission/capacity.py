@@ -21,9 +21,10 @@ class CapacityView(Protocol[ReservationT]):
     def try_reserve(
         self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None
     ) -> ReservationT | None:
-        """Pick a worker (closed breaker, ``demand_blocks`` KV blocks free, running < max_num_seqs; route by
-        cached prefix, then most free KV) and hold ``demand_blocks`` on it until :meth:`release`. ``avoid`` names
-        a worker to skip while another one could serve (a retry goes elsewhere).
+        """Pick a worker (closed breaker, room for the request's KV, running < max_num_seqs; route by cached prefix,
+        then most free KV) and hold room on it until :meth:`release`: ``demand_blocks`` less the leading prompt
+        blocks that requests admitted there already hold (a shared prefix is booked once; :meth:`booked_blocks`
+        says what was). ``avoid`` names a worker to skip while another one could serve (a retry goes elsewhere).
 
         Returns:
             The reservation naming the worker, or None when no worker has room now.
@@ -31,6 +32,13 @@ class CapacityView(Protocol[ReservationT]):
 
     def release(self, reservation: ReservationT) -> None:
         """Give back a reservation returned by :meth:`try_reserve` (the request finished or never ran)."""
+
+    def booked_blocks(self, reservation: ReservationT) -> int:
+        """Return the KV blocks :meth:`try_reserve` booked for the reservation (its demand less shared blocks)."""
+
+    def shared_prefix_blocks(self, prompt_token_ids: Sequence[int]) -> int:
+        """Return the most leading blocks of the prompt that admitted requests on one worker already hold: what a
+        request routed there books less than its demand."""
 
     def total_kv_blocks(self) -> int:
         """Return KV blocks over the workers that can take requests now; 0 means no worker is available."""

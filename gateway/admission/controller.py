@@ -1,7 +1,9 @@
 """Admission control: tiered queues, deadlines, early rejection, reserved shares (DESIGN.md, step 5).
 
 One bounded FIFO queue per tier. A request is dispatched when the capacity view (the gateway's worker pool) finds a
-worker with room for its KV demand — prompt + capped output tokens, in blocks — and below its ``max_num_seqs``.
+worker with room for its KV demand — prompt + capped output tokens, in blocks, less the leading prompt blocks that
+requests admitted on that worker already hold (a shared prefix is cached there once and booked once) — and below
+its ``max_num_seqs``.
 Which waiting request goes first is a small policy chosen by name (``admission.order_policy``):
 
 - ``priority_aging``: strict priority with aging. Effective priority = tier priority + seconds waited ×
@@ -281,7 +283,7 @@ class AdmissionController(Generic[ReservationT]):
         self._in_flight.pop(ticket.ticket_id, None)
         queue = self._queues[ticket.tier.name]
         queue.num_in_flight -= 1
-        queue.in_flight_blocks -= ticket.demand_blocks
+        queue.in_flight_blocks -= ticket.booked_blocks
         if completion_tokens is not None and ticket.max_tokens > 0:
             self._rates.record_output(completion_tokens, ticket.max_tokens)
         reservation, ticket.reservation = ticket.reservation, None

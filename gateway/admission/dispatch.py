@@ -94,7 +94,8 @@ class Dispatcher:
         ticket.admitted_s = now_s
         self._in_flight[ticket.ticket_id] = ticket
         queue.num_in_flight += 1
-        queue.in_flight_blocks += ticket.demand_blocks
+        ticket.booked_blocks = self._view.booked_blocks(reservation)
+        queue.in_flight_blocks += ticket.booked_blocks
         queue.num_admitted += 1
         queue.dispatch_times_s.append(now_s)
         if ticket._future is not None and not ticket._future.done():
@@ -106,8 +107,10 @@ class Dispatcher:
         if not self._enabled:
             return True
         free_blocks, unused_reserved_blocks = self._waits.free_blocks(ticket.tier.priority)
-        if unused_reserved_blocks > 0 and free_blocks < ticket.demand_blocks:
-            return False
+        if unused_reserved_blocks > 0:
+            new_blocks = ticket.demand_blocks - self._view.shared_prefix_blocks(ticket.prompt_token_ids)
+            if free_blocks < new_blocks:
+                return False
         total_slots = self._view.total_sequence_slots()
         free_slots, unused_reserved_slots = self._waits.free_slots(ticket.tier.priority, total_slots)
         return not (unused_reserved_slots > 0 and free_slots < 1)

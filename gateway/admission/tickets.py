@@ -38,6 +38,8 @@ class Ticket(Generic[ReservationT]):
         arrival_s: clock time of ``make_ticket``.
         enqueued_s, deadline_s, admitted_s: clock times, None until they happen.
         reservation: the capacity view's reservation once admitted.
+        booked_blocks: the KV blocks the view booked for it once admitted (``demand_blocks`` less the prompt
+            blocks it shares with requests admitted before it); counted in its tier's ``in_flight_blocks``.
         state: see :class:`TicketState`.
         avoid: a worker the capacity view should skip when another can serve (the worker a retry left).
         expected_work_tokens: prompt + the output expected from the measured fraction of ``max_tokens`` used, in
@@ -57,6 +59,7 @@ class Ticket(Generic[ReservationT]):
     deadline_s: float | None = None
     admitted_s: float | None = None
     reservation: ReservationT | None = None
+    booked_blocks: int = 0
     state: TicketState = TicketState.NEW
     avoid: object | None = None
     expected_work_tokens: float = 0.0

@@ -1,6 +1,7 @@
 """The error ladder, one middleware:
 
-- :class:`SluiceError` → its status with the OpenAI envelope (``Retry-After`` when it has one);
+- :class:`SluiceError` → its status with the OpenAI envelope (``Retry-After`` when it has one; on a 429 or 503 also
+  ``x-sluice-reject-reason``: the body's ``code``, so proxies and dashboards count reasons without parsing bodies);
 - aiohttp's HTTP errors (404, 405, 413 body too large …) → the same envelope;
 - ``CancelledError`` (the client went away; ``handler_cancellation`` is on) → counted as 499 and re-raised;
 - anything else → 500 ``internal_error``, logged with the request id (a bug: bad input never gets here).
@@ -36,10 +37,16 @@ _HTTP_STATUS_TO_CODE = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+REJECT_STATUSES = frozenset({429, 503})
+REJECT_REASON_HEADER = "x-sluice-reject-reason"  # llm-d's practice: proxies count reasons without reading bodies
+
+
 def _json_error(error: SluiceError, request_id: str) -> web.Response:
     headers = {"x-request-id": request_id}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(int(error.retry_after_s))
+    if error.status in REJECT_STATUSES:
+        headers[REJECT_REASON_HEADER] = error.code.value
     return web.json_response(error.envelope(), status=error.status, headers=headers)
 
 

@@ -9,7 +9,8 @@ from aiohttp import web
 
 from gateway.jobs.api import JOBS
 from gateway.jobs.models import JobsSummary
-from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, POOL, STARTED_AT, TIER_COUNTERS
+from gateway.fleet.deep_ready import CACHE_S
+from gateway.state import CONFIG, DEEP_READY, FLEET, GATEWAY_ID, METRICS, POOL, STARTED_AT, TIER_COUNTERS
 from shared.errors import ErrorCode, SluiceError
 
 
@@ -49,7 +50,12 @@ async def favicon(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """``GET /readyz``: 200 once a worker said Hello — or when a pool scales from zero and can start one (requests
-    wait through its cold start) — else 503 (also while draining, so balancers stop sending)."""
+    wait through its cold start) — else 503 (also while draining, so balancers stop sending).
+
+    ``GET /readyz?deep=1`` also has every ready worker generate one token (``gateway.fleet.deep_ready``, cached
+    for a few seconds): 503 ``worker_not_generating`` naming each connected worker that cannot, and why; the 200
+    lists the workers that generated (``generated``).
+    """
     fleet = request.app[FLEET]
     if fleet.draining:
         raise SluiceError(ErrorCode.DRAINING, "the gateway is shutting down", retry_after_s=1)
@@ -57,7 +63,14 @@ async def readyz(request: web.Request) -> web.Response:
     ready = sum(1 for client in clients if client.ready)
     if not fleet.is_ready():
         raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready yet", retry_after_s=1)
-    return web.json_response({"status": "ready", "ready_workers": ready, "workers": len(clients)})
+    body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}
+    if request.query.get("deep", "").lower() in ("1", "true", "yes"):
+        probes = await request.app[DEEP_READY].check()
+        failed = [probe.reason for probe in probes if not probe.ok]
+        if failed:
+            raise SluiceError(ErrorCode.WORKER_NOT_GENERATING, "; ".join(failed), retry_after_s=int(CACHE_S))
+        body["generated"] = [probe.worker for probe in probes]
+    return web.json_response(body)
 
 
 async def status(request: web.Request) -> web.Response:

@@ -15,12 +15,15 @@ demand), all queued at the same moment, so they sit side by side in their tier's
 capacity allows; the request waits until every choice is admitted, and if any is shed the request fails with that
 error and the others leave the queue. The API key's rate limit counts the request once (on the first ticket).
 
-**Worker health** (DESIGN.md, step 6): each attempt of a choice has a first-token deadline
-(``gateway.first_token_timeout_s``, from the moment ``Generate`` is sent) and an inter-token stall deadline
+**Worker health** (DESIGN.md, step 6): each choice has one first-token deadline, ``gateway.first_token_timeout_s``
+from the moment its first ``Generate`` is sent, shared by all its attempts, and an inter-token stall deadline
 (``gateway.stall_timeout_s``). A timeout or a worker failure counts against the worker's circuit breaker; the first
 token (or a clean end) counts as a success. A choice that fails before its first token — so before any byte of it
-reached the client — is retried once, with a fresh ticket (no rate-limit charge) that avoids the failed worker when
-another can serve. After its first token, a failure ends the request: in-band for a stream that has started.
+reached the client — is retried once while its first-token deadline has time left, with a fresh ticket (no
+rate-limit charge) that avoids the failed worker when another can serve; the retry's wait for admission and for
+its first token both count against what is left. A first-token timeout leaves nothing, so the client waits at most
+``first_token_timeout_s`` for a first token whatever the number of attempts. After its first token, a failure ends
+the request: in-band for a stream that has started.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class ChoiceState:
     attempt: int = 0
     stream: RequestStream | None = None
     dispatched_at_s: float = 0.0
+    first_token_deadline_s: float | None = None  # time.perf_counter() of the first Generate + first_token_timeout_s
     detokenizer: IncrementalDetokenizer | None = None
     matcher: StopStringMatcher | None = None
     completion_tokens: int = 0
@@ -213,7 +217,7 @@ class Generation:
     def start(self) -> None:
         """Start one task per admitted choice: send ``Generate`` to its worker and pump the replies."""
         for choice in self.choices:
-            choice.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            choice.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompts[choice.prompt_index])
             choice.matcher = StopStringMatcher(self.stop_strings)
             self._tasks.append(asyncio.create_task(self._pump(choice), name=f"pump-{choice.request_id}"))
 
@@ -269,21 +273,41 @@ class Generation:
                 if dropped:
                     raise self.admission.shed_at_worker(choice.ticket, exc.message) from None
                 retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
-                             and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE)
+                             and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE
+                             and self._first_token_time_left_s(choice) > 0)
                 if not retryable:
                     raise
                 choice.attempt += 1
                 self.num_retries += 1
                 log.warning("retry_before_first_byte", request_id=self.request_id, choice=choice.index,
                             failed_worker=failed_worker.name if failed_worker else None, error_code=exc.code.value)
-                prompt_ids = self.prompts[choice.prompt_index]
-                choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, self.max_tokens[choice.prompt_index],
-                                                           avoid=failed_worker)
-                await self.admission.admit(choice.ticket)
-                self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
+                await self._admit_retry(choice, failed_worker)
                 continue
             self._end_attempt(choice, failed=False)
             return
+
+    def _first_token_time_left_s(self, choice: ChoiceState) -> float:
+        """Seconds left of the choice's first-token deadline (the whole timeout before its first ``Generate``)."""
+        if choice.first_token_deadline_s is None:
+            return self.first_token_timeout_s
+        return max(0.0, choice.first_token_deadline_s - time.perf_counter())
+
+    async def _admit_retry(self, choice: ChoiceState, failed_worker: WorkerClient | None) -> None:
+        """Admit the choice's retry on a fresh ticket that avoids ``failed_worker`` when another worker can serve.
+
+        Raises:
+            SluiceError: shed, or ``worker_timeout`` when the first-token deadline passes before admission (the
+                ticket then leaves its queue).
+        """
+        prompt_ids = self.prompts[choice.prompt_index]
+        choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, self.max_tokens[choice.prompt_index],
+                                                   avoid=failed_worker)
+        try:
+            await asyncio.wait_for(self.admission.admit(choice.ticket), self._first_token_time_left_s(choice))
+        except TimeoutError:
+            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"no worker sent a first token within "
+                              f"{self.first_token_timeout_s:g} s") from None
+        self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
 
     def _send(self, choice: ChoiceState) -> None:
         reservation = choice.reservation
@@ -309,6 +333,8 @@ class Generation:
         choice.stream = None
         choice.stream = reservation.worker.start_request(message, reservation)
         choice.dispatched_at_s = time.perf_counter()
+        if choice.first_token_deadline_s is None:
+            choice.first_token_deadline_s = choice.dispatched_at_s + self.first_token_timeout_s
         self.pool.dispatched(reservation)
 
     def _end_attempt(self, choice: ChoiceState, failed: bool, answered: bool = True) -> None:
@@ -330,7 +356,7 @@ class Generation:
         stream = choice.stream
         if choice.completion_tokens == 0:
             limit_s = self.first_token_timeout_s
-            timeout_s = max(0.0, choice.dispatched_at_s + limit_s - time.perf_counter())
+            timeout_s = self._first_token_time_left_s(choice)
             what = "first token"
         else:
             limit_s = timeout_s = self.stall_timeout_s

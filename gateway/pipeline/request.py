@@ -5,7 +5,8 @@ the HTTP handlers (``gateway.http.completions``) and the async job runner (``gat
 
     parse(kind, body bytes)            OpenAI schema (400), served model (404), unsupported fields (400)
     classify                           HTTP: API key, tier header, service_tier → Principal; jobs: the lowest tier
-    tokenize(kind, body)               chat template or prompts, off the event loop
+    tokenize(kind, body)               chat template or prompts, off the event loop; a prompt whose byte length
+                                       alone proves it past the context is a 400 before any encoding
     plan(kind, body, principal, …)     n, stop strings, route to a pool, cap max_tokens → a Generation
     admit(plan)                        cold-start check, tiered queues (429/503 with Retry-After)
     plan.generation.start()            Generate to the reserved workers; TextEvent / FinishEvent out
@@ -30,7 +31,7 @@ from gateway.pipeline import openai_api
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.generate import FinishEvent, Generation
 from gateway.pipeline.responses import chat_completion, text_completion
-from gateway.pipeline.tokenize import Tokenizer
+from gateway.pipeline.tokenize import PromptTooLong, Tokenizer
 from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
@@ -110,14 +111,35 @@ class RequestPipeline:
         """Return the prompts' token ids: the chat template applied to the messages, or the completion prompts
         (strings tokenized, token ids checked).
 
-        Raises:
-            SluiceError: 400 for too many, empty or out-of-vocabulary prompts.
-        """
-        if isinstance(body, openai_api.ChatCompletionRequest):
-            return [await self.tokenizer.encode_chat(openai_api.chat_messages(body))]
-        return await self._completion_prompt_ids(body)
+        A text prompt past the context costs little: one of B bytes has at least B ÷
+        ``tokenizer.max_token_bytes`` tokens, so one that long is refused before encoding; the others are encoded
+        under the bound of the context (``Tokenizer``'s probe stops early on a dense text past it).
 
-    async def _completion_prompt_ids(self, body: openai_api.CompletionRequest) -> list[list[int]]:
+        Raises:
+            SluiceError: 400 for too many, empty or out-of-vocabulary prompts; 400 ``context_length_exceeded`` for
+                a text prompt that leaves no room for output (the exact check of token prompts is the cap step's).
+        """
+        context_tokens = self.fleet.runtime_for_model(body.model).pool.max_model_len_tokens(
+            self.config.model.max_model_len_tokens)
+        if isinstance(body, openai_api.ChatCompletionRequest):
+            messages = openai_api.chat_messages(body)
+            num_bytes = sum(len(m["content"].encode()) for m in messages)
+            self._check_prompt_bytes(num_bytes, context_tokens, "messages")
+            try:
+                return [await self.tokenizer.encode_chat(messages, max_tokens=context_tokens - 1)]
+            except PromptTooLong as exc:
+                raise _too_long(context_tokens, exc.num_tokens_at_least, "messages") from None
+        return await self._completion_prompt_ids(body, context_tokens)
+
+    def _check_prompt_bytes(self, num_bytes: int, context_tokens: int, param: str) -> None:
+        """Raise 400 ``context_length_exceeded`` when ``num_bytes`` of prompt text cannot be fewer tokens than
+        ``context_tokens`` (each token stands for at most ``tokenizer.max_token_bytes`` bytes)."""
+        min_tokens = -(-num_bytes // self.tokenizer.max_token_bytes)
+        if min_tokens >= context_tokens:
+            raise _too_long(context_tokens, min_tokens, param, f" ({num_bytes} bytes of text)")
+
+    async def _completion_prompt_ids(self, body: openai_api.CompletionRequest,
+                                     context_tokens: int) -> list[list[int]]:
         prompts = openai_api.completion_prompts(body)
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise SluiceError(ErrorCode.INVALID_VALUE, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request",
@@ -126,7 +148,14 @@ class RequestPipeline:
         prompt_ids: list[list[int]] = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            ids = await self.tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str):
+                self._check_prompt_bytes(len(prompt.encode()), context_tokens, param)
+                try:
+                    ids = await self.tokenizer.encode_text(prompt, max_tokens=context_tokens - 1)
+                except PromptTooLong as exc:
+                    raise _too_long(context_tokens, exc.num_tokens_at_least, param) from None
+            else:
+                ids = prompt
             if not ids:
                 raise SluiceError(ErrorCode.INVALID_VALUE, "the prompt must not be empty", param=param)
             if any(t < 0 or t >= vocab_size for t in ids):
@@ -149,7 +178,9 @@ class RequestPipeline:
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
         route = self.fleet.route(body.model, principal.tier)
         runtime = route.runtime
-        context_tokens = runtime.pool.max_model_len_tokens(config.model.max_model_len_tokens)
+        # the longest sequence the pool's KV can ever give this tier: a prompt past it is a 400 now, not a wait
+        context_tokens = runtime.pool.max_model_len_tokens(
+            config.model.max_model_len_tokens, runtime.capper.reserved_kv_fraction_above(principal.tier.name))
         requested = openai_api.requested_max_tokens(body)
         prompt_param = "messages" if kind == "chat" else "prompt"
         caps = [
@@ -222,6 +253,14 @@ class RequestPipeline:
             return await self.collect(plan)
         finally:
             plan.generation.close()
+
+
+def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail: str = "") -> SluiceError:
+    return SluiceError(
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        f"This model's maximum context length is {context_tokens} tokens, but the prompt has at least "
+        f"{num_tokens_at_least} tokens{detail}, leaving no room for output. Shorten the messages or the prompt.",
+        param=param)
 
 
 def _sampling(body: OpenAIRequest) -> SamplingParams:

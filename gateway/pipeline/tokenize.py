@@ -15,6 +15,12 @@ Repeated input is tokenized once. Two LRU caches, each bounded by the number of 
   pre-tokenizing and running the model on each piece, so the ids are the same as encoding the whole text; the cut
   is used only when no added token strips neighbouring whitespace, matches single words or is normalized
   (otherwise the whole text is encoded).
+
+A prompt far past the context costs little: given ``max_tokens``, a text longer than ``max_tokens`` ×
+:data:`PROBE_CHARS_PER_TOKEN` characters is first probed — its leading part, cut at a space, is encoded alone —
+and when that part already holds more than ``max_tokens`` tokens (less :data:`PROBE_MARGIN_TOKENS` for the cut) the
+encode stops there with :class:`PromptTooLong`. Only a text sparse in tokens (long tokens: code indentation, rules
+of dashes) is encoded whole, and the caller's byte bound (:attr:`Tokenizer.max_token_bytes`) caps its length.
 """
 
 from __future__ import annotations
@@ -68,6 +74,40 @@ def _byte_level_char_to_byte() -> dict[str, int]:
             char_codes.append(256 + extra)
             extra += 1
     return {chr(code): byte for byte, code in zip(byte_values, char_codes)}
+
+
+# The probe of a long text: its leading max_tokens × PROBE_CHARS_PER_TOKEN characters (at least MIN_PROBE_CHARS),
+# about twice the characters per token of English prose, so a dense text shows its excess within the probe.
+PROBE_CHARS_PER_TOKEN = 8
+MIN_PROBE_CHARS = 16384
+# Tokens the probe may count beyond the whole text's tokens near its cut (a word or an added token cut in two).
+PROBE_MARGIN_TOKENS = 32
+
+
+class PromptTooLong(Exception):
+    """The text has more than the allowed tokens, found by encoding part of it.
+
+    Attributes:
+        num_tokens_at_least: a lower bound of the whole text's tokens (more than the limit).
+    """
+
+    def __init__(self, num_tokens_at_least: int) -> None:
+        super().__init__(f"at least {num_tokens_at_least} tokens")
+        self.num_tokens_at_least = num_tokens_at_least
+
+
+def _max_token_bytes(backend: Any, byte_level: bool) -> int:
+    """Return the most bytes of input text that one token of ``backend`` stands for (its vocabulary and added
+    tokens): a text of B bytes has at least B ÷ this many tokens. Byte-level BPE spells each byte as one char;
+    other tokenizers are bounded by their pieces' UTF-8 length (``▁`` and ``<0xF0>`` stand for fewer bytes)."""
+    char_to_byte = _byte_level_char_to_byte()
+    longest = 1
+    for piece in backend.get_vocab(with_added_tokens=True):
+        if byte_level and all(ch in char_to_byte for ch in piece):
+            longest = max(longest, len(piece))
+        else:
+            longest = max(longest, len(piece.encode()))
+    return longest
 
 
 # Bounds of the caches, in token ids held (about 40 bytes each with the key text): a few MB.
@@ -148,6 +188,8 @@ class Tokenizer:
         vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
         byte_level: whether the decoder is byte-level BPE (GPT-2, Llama 3, SmolLM): then :meth:`decode` is the
             UTF-8 decoding (errors replaced) of :meth:`byte_level_bytes`.
+        max_token_bytes: the most bytes of input text one token stands for (81 for SmolLM2): a prompt of B bytes
+            has at least B ÷ this many tokens, known before encoding it.
     """
 
     def __init__(self, hf_tokenizer: Any, num_threads: int = 2, generation_eos_ids: list[int] | None = None,
@@ -166,6 +208,7 @@ class Tokenizer:
         # the ids decode() skips (skip_special_tokens): added tokens marked special
         self._decode_skipped_ids = frozenset(i for i, t in added_tokens.items() if t.special)
         self.byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        self.max_token_bytes = _max_token_bytes(self.backend, self.byte_level)
         self._piece_bytes: dict[int, bytes] = {}
         self._splitter = _added_token_splitter(self.backend) if segment_cache_tokens > 0 else None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads),
@@ -182,11 +225,16 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ sync (run in the pool)
 
-    def encode_chat_sync(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat_sync(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> list[int]:
         """Render the chat template with the generation prompt and encode it.
+
+        Args:
+            messages: the conversation.
+            max_tokens: stop early (see the module docstring) when the prompt has more tokens; None = no bound.
 
         Raises:
             SluiceError: the template refused the conversation (e.g. a role order it does not allow).
+            PromptTooLong: the prompt has more than ``max_tokens`` tokens.
         """
         import jinja2
 
@@ -195,7 +243,31 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise SluiceError(ErrorCode.INVALID_VALUE, f"the chat template rejected the messages: {exc}",
                               param="messages") from None
+        self._probe(text, max_tokens)
         return self.encode_segments_sync(text)
+
+    def encode_prompt_sync(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """:meth:`encode_text_sync` of a prompt that may not pass ``max_tokens`` tokens.
+
+        Raises:
+            PromptTooLong: the prompt has more than ``max_tokens`` tokens (found without encoding all of it).
+        """
+        self._probe(text, max_tokens)
+        return self.encode_text_sync(text)
+
+    def _probe(self, text: str, max_tokens: int | None) -> None:
+        """Raise :class:`PromptTooLong` when the leading part of a long ``text`` has more than ``max_tokens``
+        tokens (the module docstring); return when ``text`` is short or the part has fewer."""
+        if max_tokens is None:
+            return
+        probe_chars = max(MIN_PROBE_CHARS, max_tokens * PROBE_CHARS_PER_TOKEN)
+        if len(text) <= probe_chars:
+            return
+        cut = text.rfind(" ", probe_chars // 2, probe_chars)
+        probe = text[:cut if cut > 0 else probe_chars]
+        num_tokens = len(self.backend.encode_batch_fast([probe], add_special_tokens=False)[0].ids)
+        if num_tokens - PROBE_MARGIN_TOKENS > max_tokens:
+            raise PromptTooLong(num_tokens - PROBE_MARGIN_TOKENS)
 
     def encode_segments_sync(self, text: str) -> list[int]:
         """Encode ``text`` without adding special tokens, piece by piece between added tokens, each piece through
@@ -289,22 +361,29 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ async
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> list[int]:
         """Async :meth:`encode_chat_sync` in the tokenizer pool; a conversation seen before is answered from the
         conversation cache without leaving the event loop.
 
         Returns:
             The prompt ids: a new list the caller may keep or change.
+
+        Raises:
+            SluiceError, PromptTooLong: as :meth:`encode_chat_sync`.
         """
         key = _conversation_key(messages)
         ids = self.conversation_cache.get(key)
         if ids is None:
             loop = asyncio.get_running_loop()
-            ids = tuple(await loop.run_in_executor(self._executor, self.encode_chat_sync, messages))
+            ids = tuple(await loop.run_in_executor(self._executor, self.encode_chat_sync, messages, max_tokens))
             self.conversation_cache.put(key, ids)
         return list(ids)
 
-    async def encode_text(self, text: str) -> list[int]:
-        """Async :meth:`encode_text_sync` in the tokenizer pool."""
+    async def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Async :meth:`encode_prompt_sync` in the tokenizer pool.
+
+        Raises:
+            PromptTooLong: the prompt has more than ``max_tokens`` tokens.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.encode_text_sync, text)
+        return await loop.run_in_executor(self._executor, self.encode_prompt_sync, text, max_tokens)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -25,6 +26,7 @@ import msgspec
 import structlog
 
 from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.kv_booking import KvBooking
 from gateway.workers.stream import RequestStream, error_code
 from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, authenticate_worker
 from shared.errors import ErrorCode, SluiceError
@@ -90,11 +92,12 @@ class WorkerClient:
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.on_change: Callable[[], None] | None = None  # set by the pool: capacity, status or request end
         self.num_reserved = 0  # reservations (dispatched or about to be) of this gateway on this worker
-        self.reserved_blocks = 0  # their KV demand in blocks (prompt + capped output each)
+        self.kv_booking = KvBooking()  # their KV demand in blocks, shared prompt blocks counted once
         self.prefix_hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.hello: Hello | None = None
         self.capacity: Capacity | None = None
         self.capacity_at_s = 0.0
+        self.last_token_at_s = -math.inf  # time.monotonic() of the last token of any request (deep readiness)
         self.connected_at_s = 0.0
         self.num_connections = 0
         self._on_capacity = on_capacity
@@ -137,10 +140,15 @@ class WorkerClient:
         return self.hello.num_kv_blocks if self.hello is not None else 0
 
     @property
+    def reserved_blocks(self) -> int:
+        """KV blocks booked by this gateway's reservations (:class:`~gateway.workers.kv_booking.KvBooking`)."""
+        return self.kv_booking.num_blocks
+
+    @property
     def committed_kv_blocks(self) -> int:
         """KV blocks promised or in use: this gateway's reservations, or the worker's used blocks when more."""
         used = self.capacity.used_kv_blocks if self.capacity is not None else 0
-        return max(self.reserved_blocks, used)
+        return max(self.kv_booking.num_blocks, used)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -404,6 +412,7 @@ class WorkerClient:
     def _on_message(self, message: msgspec.Struct) -> None:
         match message:
             case TokenDelta(request_id=request_id):
+                self.last_token_at_s = time.monotonic()
                 stream = self._streams.get(request_id)
                 if stream is not None:
                     stream._push(message)

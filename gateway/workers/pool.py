@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -28,6 +29,7 @@ import msgspec
 
 from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.client import WorkerClient
+from gateway.workers.kv_booking import shareable_hashes
 from gateway.workers.reservation import Reservation
 from shared.config import BreakerConfig
 from shared.prefix_hash import hash_token_blocks
@@ -66,6 +68,26 @@ class WorkerStatus(msgspec.Struct):
     pool: str = ""
     local: bool = False
     state: str = ""
+
+
+class _PromptHashes:
+    """The chain hashes of one prompt's full blocks, per block size, computed once when first asked."""
+
+    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+        self._prompt_token_ids = prompt_token_ids
+        self._by_block_size: dict[int, list[int]] = {}
+
+    def full(self, block_size_tokens: int) -> list[int]:
+        """Return the hashes of the prompt's full blocks (prefix-aware routing)."""
+        hashes = self._by_block_size.get(block_size_tokens)
+        if hashes is None:
+            hashes = self._by_block_size[block_size_tokens] = hash_token_blocks(self._prompt_token_ids,
+                                                                                block_size_tokens)
+        return hashes
+
+    def shareable(self, block_size_tokens: int) -> Sequence[int]:
+        """Return the hashes of the blocks a worker can share with other requests (:func:`shareable_hashes`)."""
+        return shareable_hashes(self.full(block_size_tokens), len(self._prompt_token_ids), block_size_tokens)
 
 
 class WorkerPool:
@@ -125,10 +147,28 @@ class WorkerPool:
     def is_ready(self) -> bool:
         return any(c.ready for c in self.clients)
 
-    def max_model_len_tokens(self, configured_tokens: int) -> int:
-        """Return the context length: the config's, lowered to what the ready workers announce."""
-        lengths = [c.hello.max_model_len_tokens for c in self.ready_clients() if c.hello is not None]
-        return min([configured_tokens, *lengths])
+    def max_model_len_tokens(self, configured_tokens: int, reserved_kv_fraction: float = 0.0) -> int:
+        """Return the longest sequence (prompt + output, tokens) the pool can ever serve: the config's context,
+        lowered to what the ready workers announce and to what their KV pools hold.
+
+        A request is dispatched only when one worker has room for its KV demand (prompt + output, in blocks), and
+        only within the pool's blocks less the shares that tiers above it reserve; a sequence longer than the
+        largest worker's pool, or than that remainder, would wait in its queue until its deadline. Before any
+        worker is ready (a cold start) only the config and nothing else bounds it.
+
+        Args:
+            configured_tokens: ``model.max_model_len_tokens``.
+            reserved_kv_fraction: the fraction of the pool's KV blocks that tiers above the request's keep for
+                themselves (admission's reserved shares, :meth:`OutputCapper.reserved_kv_fraction_above`).
+        """
+        ready = [c for c in self.ready_clients() if c.hello is not None]
+        if not ready:
+            return configured_tokens
+        block_size = ready[0].block_size_tokens
+        largest_pool_tokens = max(c.total_kv_blocks * c.block_size_tokens for c in ready)
+        unreserved_blocks = math.floor(sum(c.total_kv_blocks for c in ready) * (1.0 - reserved_kv_fraction) + 1e-9)
+        lengths = [c.hello.max_model_len_tokens for c in ready]
+        return min([configured_tokens, *lengths, largest_pool_tokens, unreserved_blocks * block_size])
 
     def known_prefill_tokens_per_s(self) -> float:
         """Return the prefill rate, tokens/s, to assume for a worker that has measured none yet: the mean over
@@ -152,7 +192,11 @@ class WorkerPool:
 
     def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int],
                     avoid: object | None = None) -> Reservation | None:
-        """Pick a worker for a request and hold ``demand_blocks`` KV blocks and one sequence slot on it.
+        """Pick a worker for a request and book on it the KV blocks the request will newly allocate, and one
+        sequence slot.
+
+        The booking is ``demand_blocks`` less the leading prompt blocks that requests admitted on that worker
+        already hold: their prefix is cached there once and shared (:mod:`gateway.workers.kv_booking`).
 
         Args:
             demand_blocks: KV blocks the request may need (prompt + capped output).
@@ -167,33 +211,31 @@ class WorkerPool:
         num_prompt_tokens = len(prompt_token_ids)
         priority = self.tier_priorities.get(tier, 0)
         fallback_rate = self.known_prefill_tokens_per_s() if self.prefill_queue_s > 0 else 0.0
-        candidates = [c for c in self.clients
-                      if c.can_take(demand_blocks, num_prompt_tokens, self.prefill_queue_s, priority, fallback_rate)]
+        hashes = _PromptHashes(prompt_token_ids)
+        candidates = [c for c in self.clients if c.ready and c.can_take(
+            c.kv_booking.new_blocks(demand_blocks, hashes.shareable(c.block_size_tokens)), num_prompt_tokens,
+            self.prefill_queue_s, priority, fallback_rate)]
         if avoid is not None and any(c is not avoid and c.ready and c.breaker.available() for c in self.clients):
             candidates = [c for c in candidates if c is not avoid]
         if not candidates:
             return None
-        hashes_by_block_size: dict[int, list[int]] = {}
 
         def rank(client: WorkerClient) -> tuple[int, int, int]:
-            block_size = client.block_size_tokens
-            if block_size not in hashes_by_block_size:
-                hashes_by_block_size[block_size] = hash_token_blocks(prompt_token_ids, block_size)
-            cached = client.cached_prefix_blocks(hashes_by_block_size[block_size])
+            cached = client.cached_prefix_blocks(hashes.full(client.block_size_tokens))
             free = client.total_kv_blocks - client.committed_kv_blocks
             return cached, free, -client.num_reserved
 
         best = max(candidates, key=rank)
         if not best.breaker.allow_request():
             return None
+        block_hashes = hashes.full(best.block_size_tokens)
+        shareable = hashes.shareable(best.block_size_tokens)
         best.num_reserved += 1
-        best.reserved_blocks += demand_blocks
-        block_hashes = hashes_by_block_size.get(best.block_size_tokens)
-        if block_hashes is None:
-            block_hashes = hash_token_blocks(prompt_token_ids, best.block_size_tokens)
+        booked_blocks = best.kv_booking.book(demand_blocks, shareable)
         prefill_tokens = max(1, num_prompt_tokens - best.cached_prefix_blocks(block_hashes) * best.block_size_tokens)
         reservation = Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes,
-                                  prefill_tokens=prefill_tokens, priority=priority)
+                                  prefill_tokens=prefill_tokens, priority=priority, shareable_hashes=shareable,
+                                  booked_blocks=booked_blocks)
         best.hold_prefill(reservation)
         return reservation
 
@@ -201,10 +243,22 @@ class WorkerPool:
         """Give back a reservation; a request that ended without a breaker verdict counts as abandoned."""
         worker = reservation.worker
         worker.num_reserved -= 1
-        worker.reserved_blocks -= reservation.demand_blocks
+        worker.kv_booking.release(reservation.demand_blocks, reservation.shareable_hashes)
         worker.prefill_started(reservation)
         if not reservation.verdict_given:
             worker.breaker.on_abandoned()
+
+    def booked_blocks(self, reservation: Reservation) -> int:
+        """Return the KV blocks the reservation added to its worker's booking (its demand less the shared prompt
+        blocks others held already)."""
+        return reservation.booked_blocks
+
+    def shared_prefix_blocks(self, prompt_token_ids: Sequence[int]) -> int:
+        """Return the most leading prompt blocks of ``prompt_token_ids`` that admitted requests on one ready worker
+        hold already (booked there, so a request routed there books that many fewer)."""
+        hashes = _PromptHashes(prompt_token_ids)
+        return max((c.kv_booking.num_held(hashes.shareable(c.block_size_tokens)) for c in self.ready_clients()
+                    if c.kv_booking.num_shared_blocks > 0), default=0)
 
     def num_serving_workers(self) -> int:
         """Return the ready workers whose breaker is not open."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,7 +17,10 @@ class Reservation:
     Attributes:
         reservation_id: unique per pool.
         worker: the worker the request goes to.
-        demand_blocks: KV blocks held (prompt + capped output).
+        demand_blocks: KV blocks the request may need (prompt + capped output).
+        booked_blocks: the blocks it added to its worker's booking: ``demand_blocks`` less the shareable prompt
+            blocks other admitted requests held already (:mod:`gateway.workers.kv_booking`).
+        shareable_hashes: chain hashes of its prompt blocks the worker can share with other requests.
         verdict_given: the breaker heard whether the worker served it (else releasing counts it as abandoned).
     """
 
@@ -28,3 +32,5 @@ class Reservation:
     prefill_tokens: int = 0  # uncached prompt tokens, in the worker's prefill backlog while prefill_pending
     prefill_pending: bool = True
     priority: int = 0  # the request's tier priority as the worker orders prefills
+    shareable_hashes: Sequence[int] = ()
+    booked_blocks: int = 0

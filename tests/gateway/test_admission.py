@@ -75,6 +75,12 @@ class FakePool:
     def total_kv_blocks(self) -> int:
         return self.blocks_per_worker * len(self.free_blocks)
 
+    def booked_blocks(self, reservation: object) -> int:
+        return reservation[1]  # type: ignore[index]
+
+    def shared_prefix_blocks(self, prompt_token_ids: Sequence[int]) -> int:
+        return 0  # no prefix sharing in this double (gateway/workers/kv_booking.py has its own tests)
+
     def block_size_tokens(self) -> int:
         return BLOCK_SIZE
 

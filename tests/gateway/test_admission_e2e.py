@@ -203,6 +203,11 @@ class Reply:
         return int(self.headers["retry-after"])
 
     @property
+    def reject_reason(self) -> str | None:
+        """The ``x-sluice-reject-reason`` header (every 429 / 503 names the body's code in it)."""
+        return self.headers.get("x-sluice-reject-reason")
+
+    @property
     def error_code(self) -> str:
         return self.json()["error"]["code"]
 
@@ -343,6 +348,7 @@ async def test_bc26_rate_limit_is_429_rate_limit_exceeded_with_retry_after(overl
     assert [r.status for r in replies] == [200, 200, 429]
     limited = replies[2]
     assert limited.error_code == "rate_limit_exceeded" and limited.json()["error"]["type"] == "rate_limit_error"
+    assert limited.reject_reason == "rate_limit_exceeded"
     assert 1 <= limited.retry_after_s <= 31  # one request of 2 per minute refills in 30 s
     status = overload.status()
     assert tier_stats(status, "standard")["rejected"]["rate_limit_exceeded"] >= 1
@@ -362,6 +368,7 @@ async def test_bc25_bc26_queue_full_is_503_queue_full_with_retry_after_and_json_
                                          for _ in range(10)))
         for reply in (a, b, *repeats):
             assert reply.status == 503 and reply.error_code == "queue_full", reply.body
+            assert reply.reject_reason == "queue_full"
             assert reply.headers["retry-after"].isdigit() and reply.retry_after_s >= 1
             assert reply.elapsed_s < 1.0  # at once, not after waiting
         assert b.headers["content-type"].startswith("application/json") and not b.body.startswith(b"data:")
@@ -419,10 +426,11 @@ async def test_bc26_queue_timeout_sheds_at_the_deadline_and_early_rejection_at_a
         early = await post(http, overload.base_url, _chat(max_tokens=4), headers=_tier("batch"))
         assert early.status == 503 and early.error_code == "predicted_queue_timeout", early.body
         assert early.elapsed_s < 0.5 and early.retry_after_s >= 1
+        assert early.reject_reason == "predicted_queue_timeout"
         timed_out = await waiting
         assert timed_out.status == 503 and timed_out.error_code == "queue_timeout", timed_out.body
         assert 1.5 <= timed_out.elapsed_s <= 2.5  # shed at the configured timeout, not later and not never
-        assert timed_out.retry_after_s >= 1
+        assert timed_out.retry_after_s >= 1 and timed_out.reject_reason == "queue_timeout"
     finally:
         await saturation.release()
     after = tier_stats(overload.status(), "batch")
@@ -451,12 +459,35 @@ async def test_reserved_share_keeps_room_for_the_top_tier(overload, http):
         await saturation.release()
 
 
+async def test_a_prompt_past_its_tiers_share_of_the_kv_pool_is_400_context_length_exceeded_not_a_wait(overload, http):
+    # 128 blocks of 16 tokens; vip keeps half of them, so a standard request can never hold more than 64 blocks
+    async with http.get(overload.base_url + "/v1/models") as response:
+        assert (await response.json())["data"][0]["max_model_len"] == 2048  # the whole pool: vip's limit
+    long_prompt = [198] * 1100  # 1,100 tokens: fits the pool, never the standard tier's 1,024
+    refused = await post(http, overload.base_url, {"model": MODEL, "prompt": long_prompt, "max_tokens": 4},
+                         COMPLETIONS)
+    assert refused.status == 400 and refused.error_code == "context_length_exceeded", refused.body
+    assert "1024 tokens" in refused.json()["error"]["message"] and refused.json()["error"]["param"] == "prompt"
+    assert "retry-after" not in refused.headers
+    served = await post(http, overload.base_url, {"model": MODEL, "prompt": long_prompt, "max_tokens": 4},
+                        COMPLETIONS, headers=_tier("vip"))
+    assert served.status == 200 and served.json()["usage"]["prompt_tokens"] == 1100
+    # a prompt that fits gets its output capped to what is left of the share, and is served
+    capped = await post(http, overload.base_url, {"model": MODEL, "prompt": [198] * 1000, "max_tokens": 200,
+                                                  "ignore_eos": True}, COMPLETIONS)
+    assert capped.status == 200 and capped.json()["usage"]["completion_tokens"] == 24, capped.body
+    await settle(overload)
+
+
 async def test_bc28_top_tier_starts_within_one_step_of_capacity_freeing(overload, http):
     await settle(overload)
     body = _chat("Write the numbers from 1 to 5000.")
-    low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": m}, _tier("free")))
-           for m in (6, 12)]
-    await wait_status(overload, lambda s: tier_stats(s, "free")["in_flight"] == 2)
+    # two standard answers fill both slots; the first ends about 2.4 s after it starts (24 steps), so the vip
+    # request arrives while every slot is taken however slowly the queue fills on a busy machine, and the free
+    # requests queued meanwhile age by less than the vip's lead in that time (aging 0.5 / s, priorities 3 and 1)
+    low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": m, "ignore_eos": True},
+                                            _tier("standard"))) for m in (24, 40)]
+    await wait_status(overload, lambda s: tier_stats(s, "standard")["in_flight"] == 2)
     queued_low = [asyncio.create_task(stream_times(http, overload.base_url, {**body, "max_tokens": 12},
                                                    _tier("free"))) for _ in range(2)]
     await wait_status(overload, lambda s: tier_stats(s, "free")["queue_depth"] == 2)
@@ -684,6 +715,7 @@ async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overl
     await asyncio.sleep(0.2)
     rejected = await post(http, overload.base_url, _chat(max_tokens=4))
     assert rejected.status == 503 and rejected.error_code == "server_draining" and rejected.retry_after_s >= 1
+    assert rejected.reject_reason == "server_draining"
     assert get_json(overload.base_url + "/readyz")[0] == 503
     done = await running
     events = done.events()
@@ -726,43 +758,70 @@ def _workers_by_name(status: dict) -> dict[str, dict]:
     return {w["name"]: w for w in status["workers"]}
 
 
-async def test_first_token_timeout_retry_breaker_open_half_open_close(health, http):
+async def test_first_token_timeout_breaker_open_half_open_close(health, http):
     gateway, fakes, _ = health
     fake_a, fake_b = fakes.workers
     workers = _workers_by_name(gateway.status())
     assert workers["remote-3"]["ready"] is False  # nothing listens there: never routed to
     assert [workers[f"remote-{i}"]["ready"] for i in range(3)] == [True, True, True]
 
-    # A accepts and stays silent: 504 worker_timeout after the retry on B (also silent); JSON, not SSE
-    plain = await post(http, gateway.base_url, {"model": MODEL, "prompt": "one", "max_tokens": 4}, COMPLETIONS)
+    # A accepts and stays silent: 504 worker_timeout at the first-token deadline (0.8 s), which bounds the whole
+    # choice: no time is left for a retry, on B or anywhere; JSON, not SSE. Two at once, both routed to A (the
+    # biggest KV pool), so that A's breaker opens at once (threshold 2)
+    plain, streamed = await asyncio.gather(
+        post(http, gateway.base_url, {"model": MODEL, "prompt": "one", "max_tokens": 4}, COMPLETIONS),
+        post(http, gateway.base_url, {"model": MODEL, "prompt": "two", "max_tokens": 4, "stream": True},
+             COMPLETIONS))
     assert plain.status == 504 and plain.error_code == "worker_timeout", plain.body
-    assert 1.6 <= plain.elapsed_s < 3.0  # first-token deadline (0.8 s) on A, then on B
-    assert len(fake_a.generates) == 1 and len(fake_b.generates) == 1 and len(fake_a.aborts) == 1
-    streamed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "two", "max_tokens": 4,
-                                                   "stream": True}, COMPLETIONS)
+    assert 0.8 <= plain.elapsed_s < 1.6
     assert streamed.status == 504 and not streamed.body.startswith(b"data:")
-    status = gateway.status()
-    workers = _workers_by_name(status)
+    assert len(fake_a.generates) == 2 and len(fake_b.generates) == 0 and len(fake_a.aborts) == 2
+    # A's breaker is open: B (also silent) takes the next two and opens too
+    replies = await asyncio.gather(*(post(http, gateway.base_url, {"model": MODEL, "prompt": prompt, "max_tokens": 4},
+                                          COMPLETIONS) for prompt in ("three", "four")))
+    assert all(r.status == 504 and r.error_code == "worker_timeout" for r in replies), replies
+    assert len(fake_a.generates) == 2 and len(fake_b.generates) == 2
+    workers = _workers_by_name(gateway.status())
     assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-1"]["breaker"]["state"] == "open"
     async with http.get(gateway.base_url + "/metrics") as response:
         assert metric_value(await response.text(), "sluice_breaker_state", worker="remote-0") == 2.0
 
     # both breakers open: the sim worker serves at once and the fakes see nothing
-    served = await post(http, gateway.base_url, {"model": MODEL, "prompt": "three", "max_tokens": 4}, COMPLETIONS)
+    served = await post(http, gateway.base_url, {"model": MODEL, "prompt": "five", "max_tokens": 4}, COMPLETIONS)
     assert served.status == 200 and served.elapsed_s < 0.8
     assert len(fake_a.generates) == 2 and len(fake_b.generates) == 2
 
-    # after the cooldown both are half-open; A's probe times out (open again), the retry probes B, which answers
+    # after the cooldown both are half-open; A's probe times out (open again), the next request probes B, which
+    # answers
     fake_b.mode = "ok"
     await asyncio.sleep(1.6)
     assert _workers_by_name(gateway.status())["remote-0"]["breaker"]["state"] == "half_open"
-    probed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "four", "max_tokens": 4}, COMPLETIONS)
+    probe_a = await post(http, gateway.base_url, {"model": MODEL, "prompt": "six", "max_tokens": 4}, COMPLETIONS)
+    assert probe_a.status == 504 and len(fake_a.generates) == 3 and len(fake_b.generates) == 2
+    probed = await post(http, gateway.base_url, {"model": MODEL, "prompt": "seven", "max_tokens": 4}, COMPLETIONS)
     assert probed.status == 200 and probed.json()["usage"]["completion_tokens"] == 4
-    assert 0.8 <= probed.elapsed_s < 2.0  # retried before the first byte, on another worker
     assert len(fake_a.generates) == 3 and len(fake_b.generates) == 3
     workers = _workers_by_name(gateway.status())
     assert workers["remote-0"]["breaker"]["state"] == "open" and workers["remote-0"]["breaker"]["num_opens"] == 2
     assert workers["remote-1"]["breaker"]["state"] == "closed"
+
+
+async def test_deep_readiness_is_503_naming_the_connected_worker_that_cannot_generate(health, http):
+    gateway, fakes, _ = health
+    fake_a, fake_b = fakes.workers
+    assert fake_a.mode == "silent" and fake_b.mode == "ok"  # A has never sent a token; B and the sim worker do
+    async with http.get(gateway.base_url + "/readyz") as response:
+        assert response.status == 200  # connected and said Hello: ready for the plain check
+    num_probes = len(fake_a.generates)
+    for _ in range(2):  # the second answer comes from the cache: A is not probed again
+        async with http.get(gateway.base_url + "/readyz?deep=1") as response:
+            body = await response.json()
+            assert response.status == 503 and body["error"]["code"] == "worker_not_generating", body
+            assert response.headers["x-sluice-reject-reason"] == "worker_not_generating"
+        message = body["error"]["message"]
+        assert "remote-0 generated no token within 0.8 s" in message
+        assert "remote-1" not in message and "remote-2" not in message, message
+        assert len(fake_a.generates) == num_probes + 1 and len(fake_a.aborts) >= 1
 
 
 async def test_stall_after_the_first_token_is_an_in_band_error_and_504_without_a_stream(health, http):
@@ -789,4 +848,5 @@ async def test_bc26_no_worker_at_all_is_503_no_worker_available(health, http):
     replies = [await post(http, gateway.base_url, _chat(max_tokens=4)) for _ in range(3)]
     for reply in replies:
         assert reply.status == 503 and reply.error_code == "no_worker_available" and reply.retry_after_s >= 1
+        assert reply.reject_reason == "no_worker_available"
     assert get_json(gateway.base_url + "/readyz")[0] == 503

@@ -102,3 +102,40 @@ def test_decode_and_diff_path_streams_the_same_text(tokenizer):
     truncated = tokenizer.encode_text_sync("ok 霓")[:-1]
     for decoder in (_GenericDecoder(tokenizer), tokenizer):
         assert "".join(_stream(decoder, truncated)) == "ok "
+
+
+# "Hello world " then a token of the bytes F0 9F (the first half of an emoji): the prompt ends inside a character
+PROMPT_ENDING_MID_CHARACTER = [19556, 905, 216, 10813]
+
+
+def test_generation_completes_the_character_its_prompt_ends_inside(tokenizer):
+    prompt = PROMPT_ENDING_MID_CHARACTER
+    assert tokenizer.byte_level_bytes(prompt) == b"Hello world \xf0\x9f"  # the premise
+    generated = tokenizer.encode_text_sync("Hello world 🌟 shines")[3:]  # the bytes 8C, 9F, then " shines"
+    assert tokenizer.decode(prompt + generated) == "Hello world 🌟 shines"
+    for decoder in (tokenizer, _GenericDecoder(tokenizer)):
+        for step in (1, 2):
+            detok = IncrementalDetokenizer(decoder, prompt)
+            pieces = [detok.push(generated[i:i + step]) for i in range(0, len(generated), step)] + [detok.flush()]
+            assert "".join(pieces) == "🌟 shines", (decoder, step, pieces)
+            assert all(REPLACEMENT_CHAR not in piece for piece in pieces)
+
+
+def test_prompt_that_ends_inside_a_token_of_text_and_half_a_character(tokenizer):
+    prompt = tokenizer.encode_text_sync("Hello world 🌟")[:3]  # the last token is " " + F0 9F
+    assert tokenizer.byte_level_bytes(prompt[-1:]) == b" \xf0\x9f"
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert detok.push(tokenizer.encode_text_sync("Hello world 🌟!")[3:]) + detok.flush() == "🌟!"
+
+
+def test_prompt_text_never_reappears_and_invalid_prompt_bytes_stay_behind(tokenizer):
+    for decoder in (tokenizer, _GenericDecoder(tokenizer)):
+        whole = IncrementalDetokenizer(decoder, tokenizer.encode_text_sync("Say ok 霓"))
+        assert whole.push(tokenizer.encode_text_sync(" ok")) + whole.flush() == " ok"
+        lead_byte = tokenizer.encode_text_sync("霓")[0]
+        broken = IncrementalDetokenizer(decoder, tokenizer.encode_text_sync("Say ok") + [lead_byte] +
+                                        tokenizer.encode_text_sync(" x"))
+        assert broken.push(tokenizer.encode_text_sync(" ok")) + broken.flush() == " ok"
+        # the generation does not complete the prompt's character: its bytes are invalid, one U+FFFD
+        cut = IncrementalDetokenizer(decoder, PROMPT_ENDING_MID_CHARACTER)
+        assert cut.push(tokenizer.encode_text_sync(" ok")) + cut.flush() == REPLACEMENT_CHAR + " ok"

@@ -344,6 +344,31 @@ def test_bc11_split_utf8_never_streamed_as_replacement(server):
     assert "\\ud8" not in a.body.decode() and "\\udc" not in a.body.decode()
 
 
+def test_completion_of_a_prompt_ending_inside_a_character_starts_with_that_whole_character(server):
+    # "Hello world " and the bytes F0 9F: the model's first tokens finish the emoji, which the answer carries whole
+    prompt = [19556, 905, 216, 10813]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    streamed = _post_sse(server, "/v1/completions", {**body, "stream": True}).text()
+    assert plain == streamed
+    assert "\ufffd" not in plain and plain[0].encode()[:2] == b"\xf0\x9f", plain
+
+
+def test_a_prompt_far_past_the_context_is_refused_from_its_bytes_or_a_probe_before_a_full_encode(server):
+    # 600 KB of text is at least 600,000 ÷ 81 (the longest token's bytes) = 7,408 tokens: refused unencoded
+    huge = _post(server, "/v1/chat/completions", _chat("a" * 600_000, max_tokens=4))
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded", huge.text
+    assert "at least 7408 tokens (600000 bytes of text)" in huge.json()["error"]["message"]
+    assert huge.json()["error"]["param"] == "messages"
+    # 120 KB of prose could be 1,482 tokens by its bytes; a probe of its first 16 KB already finds more than 2,048
+    prose = "The river bends past the mill and the baker waves to the miller's children. " * 1600
+    dense = _post(server, "/v1/completions", {"model": MODEL, "prompt": prose, "max_tokens": 4})
+    error = dense.json()["error"]
+    assert dense.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    num_tokens_at_least = int(error["message"].split("at least ")[1].split()[0])
+    assert MAX_MODEL_LEN <= num_tokens_at_least < 8000  # the whole prompt has about 24,000 tokens
+
+
 def test_bc12_high_temperature_japanese_never_crashes(server):
     body = {"model": MODEL, "prompt": "日本語で長い物語を書いてください。", "max_tokens": 48, "temperature": 2.0,
             "top_p": 1.0}
@@ -525,6 +550,11 @@ def test_bc05_reset_stream_releases_the_request_and_the_gateway_serves_on(server
     capacity = server.wait_for_capacity(lambda c: _running(c) == 0, 10)
     assert _running(capacity) == 0
     assert time.perf_counter() - started < 60
+
+
+def test_deep_readiness_has_every_worker_generate_a_token(server):
+    status, body = get_json(server.base_url + "/readyz?deep=1", timeout_s=120)
+    assert status == 200 and body["generated"] == [w["name"] for w in server.status()["workers"]], body
 
 
 def test_metrics_after_traffic(server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import time
 import urllib.request
 
@@ -100,3 +101,18 @@ def test_start_log_says_ready_at_the_url_warns_of_the_simulator_and_keeps_retrie
         assert server.log_events("worker_connect_retry") == []  # the local worker's cold start is not a failure
         paths = [event["path"] for event in server.log_events("request")]
         assert paths == ["/v1/models"], paths
+
+
+def test_a_port_already_in_use_ends_serve_with_one_line_naming_it_before_any_worker_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = SluiceProcess(TEST_CONFIG, tmp_path, port=port, ready="none").start()
+        try:
+            assert server.process.wait(timeout=120) == 1
+        finally:
+            server.stop()
+    log = server.log_text()
+    assert log.strip() == f"sluice serve: 127.0.0.1:{port} is already in use (another sluice serve? choose another " \
+                          "--port)", log

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.pipeline.tokenize import TokenIdsCache, Tokenizer
+from gateway.pipeline.tokenize import PromptTooLong, TokenIdsCache, Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}
 CONVERSATIONS = [
@@ -61,3 +61,32 @@ def test_token_ids_cache_evicts_the_least_recently_used_beyond_its_bound():
     assert cache.num_token_ids == 4
     cache.put("long", tuple(range(6)))  # longer than the bound: not cached
     assert cache.get("long") is None and len(cache) == 2
+
+
+PROSE = "The river bends past the mill and the baker waves to the miller's children. "
+
+
+def test_max_token_bytes_bounds_the_bytes_every_token_stands_for(tokenizer: Tokenizer):
+    assert tokenizer.max_token_bytes == 81  # SmolLM2's longest token: a newline and 80 spaces
+    longest = max(range(tokenizer.vocab_size), key=lambda i: len(tokenizer.byte_level_bytes([i])))
+    assert len(tokenizer.byte_level_bytes([longest])) == tokenizer.max_token_bytes
+
+
+def test_a_dense_prompt_past_the_bound_stops_after_encoding_a_probe_of_it(tokenizer: Tokenizer):
+    text = PROSE * 2000  # 154 KB, 30,000 tokens
+    num_tokens = len(tokenizer.encode_text_sync(text))
+    with pytest.raises(PromptTooLong) as raised:
+        tokenizer.encode_prompt_sync(text, max_tokens=2047)
+    # a true lower bound, counted on the probe alone: far fewer tokens than the whole text has
+    assert 2047 < raised.value.num_tokens_at_least < num_tokens // 4
+    with pytest.raises(PromptTooLong):
+        tokenizer.encode_chat_sync([{"role": "user", "content": text}], max_tokens=2047)
+
+
+def test_the_probe_never_refuses_a_long_prompt_within_the_bound(tokenizer: Tokenizer):
+    # long texts in few tokens (rules of '#' and of '-'): probed, then encoded whole
+    for text in (("#" * 80) * 1000, ("-" * 64 + "\n") * 1000):
+        ids = tokenizer.encode_text_sync(text)
+        assert len(ids) <= 2047 and len(text) > 8 * 2047  # the premise: within the bound, and probed
+        assert tokenizer.encode_prompt_sync(text, max_tokens=2047) == ids
+        assert tokenizer.encode_prompt_sync(text, max_tokens=len(ids)) == ids

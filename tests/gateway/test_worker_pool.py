@@ -7,11 +7,16 @@ gateway's end-to-end tests.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
+
+from gateway.admission.controller import AdmissionController
 
 from gateway.fleet.pools import ElasticWorkerPool
 from gateway.workers.client import MIN_PREFILL_BUDGET_TOKENS, WorkerClient
 from gateway.workers.pool import WorkerPool
+from shared.config import Config
 from shared.protocol import Capacity, Finished, Generate, Hello, SamplingParams, TokenDelta
 
 
@@ -202,3 +207,64 @@ def test_an_elastic_pool_counts_the_slots_its_starting_workers_bring():
     pool.add_client(client("b", max_num_seqs=4))
     assert pool.total_sequence_slots() == 12
     assert pool.starting_sequence_slots() == 6  # one starting worker at the serving ones' mean
+
+
+def test_max_model_len_is_what_the_largest_kv_pool_and_the_unreserved_share_can_hold():
+    small, large = client("small"), client("large")
+    for worker, num_blocks in ((small, 72), (large, 145)):
+        worker.capacity = msgspec.structs.replace(worker.capacity, total_kv_blocks=num_blocks,
+                                                  free_kv_blocks=num_blocks)
+    assert WorkerPool([]).max_model_len_tokens(4096) == 4096  # no worker ready yet: the config alone
+    assert WorkerPool([small]).max_model_len_tokens(4096) == 72 * 16  # 1,152 tokens, not 4,096
+    assert WorkerPool([small, large]).max_model_len_tokens(4096) == 145 * 16  # one request lives on one worker
+    assert WorkerPool([small, large]).max_model_len_tokens(2048) == 2048
+    # tiers above keep 30% of the 72 blocks: 50 blocks are left for the request
+    assert WorkerPool([small]).max_model_len_tokens(4096, reserved_kv_fraction=0.3) == 50 * 16
+    assert WorkerPool([small]).max_model_len_tokens(640, reserved_kv_fraction=0.3) == 640
+
+
+# A 1,504-token system prompt (94 blocks of 16) shared by 16 requests, each with 8 tokens of its own and 24 output
+# tokens: 96 blocks of demand each, on a worker of 145 blocks.
+SHARED_PREFIX = list(range(1000, 1000 + 94 * 16))
+
+
+def shared_prefix_prompt(i: int) -> list[int]:
+    return SHARED_PREFIX + [50_000 + i] * 8
+
+
+def test_requests_sharing_a_prompt_prefix_book_it_once_and_each_its_own_blocks():
+    worker = client("w", max_num_seqs=16)
+    worker.capacity = msgspec.structs.replace(worker.capacity, total_kv_blocks=145, free_kv_blocks=145)
+    pool = WorkerPool([worker])
+    reservations = [pool.try_reserve(96, "standard", shared_prefix_prompt(i)) for i in range(16)]
+    assert all(r is not None for r in reservations)  # booked as their demand, only one would fit
+    assert [r.booked_blocks for r in reservations] == [96] + [2] * 15
+    assert worker.reserved_blocks == 94 + 16 * 2
+    pool.release(reservations[0])  # the first to book the prefix ends: the others still hold it
+    assert worker.reserved_blocks == 94 + 15 * 2
+    assert pool.shared_prefix_blocks(shared_prefix_prompt(99)) == 94
+    for reservation in reservations[1:]:
+        pool.release(reservation)
+    assert worker.reserved_blocks == 0 and pool.shared_prefix_blocks(shared_prefix_prompt(99)) == 0
+    # a prompt that ends on a block boundary shares all but its last block, which the worker computes anew
+    first = pool.try_reserve(96, "standard", SHARED_PREFIX + [7] * 16)
+    second = pool.try_reserve(96, "standard", SHARED_PREFIX + [7] * 16)
+    assert (first.booked_blocks, second.booked_blocks) == (96, 96 - 94)
+
+
+async def test_admission_admits_requests_sharing_a_prefix_together_within_the_reserved_shares():
+    # default tiers: vip keeps 20% of the blocks and of the slots; the standard tier has the other 116 blocks
+    worker = client("w", max_num_seqs=20)
+    worker.capacity = msgspec.structs.replace(worker.capacity, total_kv_blocks=145, free_kv_blocks=145)
+    pool = WorkerPool([worker])
+    controller = AdmissionController(Config(), pool)
+    tickets = [controller.make_ticket("standard", shared_prefix_prompt(i), 8) for i in range(16)]
+    assert {t.demand_blocks for t in tickets} == {95}  # 16 × 95 blocks booked whole: only one at a time
+    admitted = [asyncio.create_task(controller.admit(t)) for t in tickets]
+    await asyncio.sleep(0)
+    assert all(task.done() for task in admitted), sum(task.done() for task in admitted)
+    assert {task.result().worker for task in admitted} == {worker}  # admitted, none shed
+    assert controller.stats().tiers["standard"].in_flight_kv_blocks == 94 + 16 * 1
+    for ticket in tickets:
+        controller.release(ticket)
+    assert worker.reserved_blocks == 0 and controller.stats().tiers["standard"].in_flight_kv_blocks == 0

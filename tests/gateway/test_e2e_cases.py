@@ -209,15 +209,15 @@ def test_bc39_shared_prefix_answers_identical_under_concurrency_and_after_evicti
 
 
 def test_bc40_cut_stream_then_immediate_resend_gets_the_same_answer(server, tokenizer):
-    body = {"model": MODEL, "temperature": 0, "max_tokens": 32, "messages": [
-        {"role": "system", "content": _filler(tokenizer, 1024, salt="regenerate ")},
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 16, "messages": [
+        {"role": "system", "content": _filler(tokenizer, 512, salt="regenerate ")},
         {"role": "user", "content": "Summarize the text above in one sentence."}]}
     status = server.status()["local_workers"][0]
     pid, starts = status["pid"], status["starts"]
     warm = _post(server, "/v1/chat/completions", body)
     assert warm.status_code == 200
     warm_body = warm.json()
-    for _ in range(6):
+    for _ in range(3):
         sock = _raw_request(server, {**body, "max_tokens": 256, "stream": True}, linger_rst=True)
         _read_events(sock, 1)
         sock.close()  # an abortive close (RST), and the resend at once
@@ -229,7 +229,7 @@ def test_bc40_cut_stream_then_immediate_resend_gets_the_same_answer(server, toke
         assert "\ufffd" not in content
         assert content == warm_body["choices"][0]["message"]["content"]
     time.sleep(3.0)
-    assert _post(server, "/v1/chat/completions", body).status_code == 200
+    assert _post(server, "/v1/chat/completions", {**body, "max_tokens": 4}).status_code == 200
     status = server.status()["local_workers"][0]
     assert (status["pid"], status["starts"]) == (pid, starts)  # no crash, no restart
     capacity = _idle(server)
@@ -239,11 +239,15 @@ def test_bc40_cut_stream_then_immediate_resend_gets_the_same_answer(server, toke
 # ---------------------------------------------------------------------- BC41: SSE not buffered
 
 
-@pytest.mark.parametrize("encoding", ["gzip, deflate, br", "identity"])
-def test_bc41_sse_events_arrive_while_generating_whatever_accept_encoding(server, encoding):
-    payload = json.dumps(_chat("Count from 1 to 2000, one number per line.", max_tokens=96, temperature=0,
+def test_bc41_sse_events_arrive_while_generating_whatever_accept_encoding(server):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(_check_sse_not_buffered, server, e) for e in ("gzip, deflate, br", "identity")]:
+            future.result()
+
+
+def _check_sse_not_buffered(server, encoding: str) -> None:
+    payload = json.dumps(_chat("Count from 1 to 2000, one number per line.", max_tokens=64, temperature=0,
                                stream=True, ignore_eos=True)).encode()
-    base_active = server.status()["active_requests"]
     sock = socket.create_connection(("127.0.0.1", server.port))
     started = time.monotonic()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -251,6 +255,7 @@ def test_bc41_sse_events_arrive_while_generating_whatever_accept_encoding(server
                  % (len(payload), payload))
     active_at_first_event = []
     pieces, raw = _read_response(sock, lambda: active_at_first_event.append(server.status()["active_requests"]))
+    active_at_end = server.status()["active_requests"]
     sock.close()
     ended = time.monotonic()
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -268,7 +273,7 @@ def test_bc41_sse_events_arrive_while_generating_whatever_accept_encoding(server
     assert sse.data[-1] == "[DONE]" and all(isinstance(c, dict) for c in sse.chunks)
     # the first event reached the client while the gateway still served the request, and the events spread
     # over the generation instead of arriving together at its end
-    assert active_at_first_event[0] > base_active
+    assert active_at_first_event[0] > active_at_end
     assert pieces[-1][0] - pieces[0][0] >= 0.4 * (ended - started)
 
 
@@ -277,12 +282,14 @@ def test_bc41_sse_events_arrive_while_generating_whatever_accept_encoding(server
 
 def test_bc42_usage_chunk_only_with_include_usage_true(server):
     body = _chat("Say hello in five words.", max_tokens=16, stream=True)
-    empty_opts = _post_sse(server, "/v1/chat/completions", {**body, "stream_options": {}})
-    false_opts = _post_sse(server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": False}})
-    no_opts = _post_sse(server, "/v1/chat/completions", body)
-    true_opts = _post_sse(server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
-    nonstream = _post(server, "/v1/chat/completions", {**body, "stream": False,
-                                                      "stream_options": {"include_usage": True}})
+    chat = "/v1/chat/completions"
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        empty_opts, false_opts, no_opts, true_opts, nonstream = [f.result() for f in [
+            pool.submit(_post_sse, server, chat, {**body, "stream_options": {}}),
+            pool.submit(_post_sse, server, chat, {**body, "stream_options": {"include_usage": False}}),
+            pool.submit(_post_sse, server, chat, body),
+            pool.submit(_post_sse, server, chat, {**body, "stream_options": {"include_usage": True}}),
+            pool.submit(_post, server, chat, {**body, "stream": False, "stream_options": {"include_usage": True}})]]
     for sse in (empty_opts, false_opts, no_opts):
         assert sse.status == 200 and sse.data[-1] == "[DONE]"
         assert sse.usage_chunks() == [] and all(chunk["choices"] for chunk in sse.chunks)

@@ -33,6 +33,7 @@ class ErrorCode(str, enum.Enum):
     WORKER_FAILED = "worker_failed"
     WORKER_TIMEOUT = "worker_timeout"
     DRAINING = "server_draining"
+    STORE_UNAVAILABLE = "store_unavailable"
     INTERNAL = "internal_error"
 
 
@@ -58,6 +59,7 @@ _CODE_TO_STATUS_AND_TYPE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.WORKER_FAILED: (502, "server_error"),
     ErrorCode.WORKER_TIMEOUT: (504, "server_error"),
     ErrorCode.DRAINING: (503, "server_error"),
+    ErrorCode.STORE_UNAVAILABLE: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
 }
 

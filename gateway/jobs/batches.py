@@ -44,6 +44,7 @@ from gateway.jobs.api import (
     owner_of,
     page_params,
     read_json_object,
+    store_unavailable_as_503,
     too_many_jobs,
     validate_request_body,
 )
@@ -422,12 +423,10 @@ async def finalize_batch(service: JobsService, batch_id: str) -> None:
 
 
 def setup_batch_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/files", upload_file)
-    app.router.add_get("/v1/files", list_files)
-    app.router.add_get("/v1/files/{file_id}", get_file)
-    app.router.add_delete("/v1/files/{file_id}", delete_file)
-    app.router.add_get("/v1/files/{file_id}/content", get_file_content)
-    app.router.add_post("/v1/batches", create_batch)
-    app.router.add_get("/v1/batches", list_batches)
-    app.router.add_get("/v1/batches/{batch_id}", get_batch)
-    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+    routes = [("POST", "/v1/files", upload_file), ("GET", "/v1/files", list_files),
+              ("GET", "/v1/files/{file_id}", get_file), ("DELETE", "/v1/files/{file_id}", delete_file),
+              ("GET", "/v1/files/{file_id}/content", get_file_content), ("POST", "/v1/batches", create_batch),
+              ("GET", "/v1/batches", list_batches), ("GET", "/v1/batches/{batch_id}", get_batch),
+              ("POST", "/v1/batches/{batch_id}/cancel", cancel_batch)]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, store_unavailable_as_503(handler))

@@ -36,7 +36,9 @@ PROTOCOL_VERSION = 1
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Sampling settings of one request; ``temperature == 0`` means greedy.
 
-    ``seed`` makes sampling reproducible per request (None: a fresh random seed).
+    ``seed`` makes sampling reproducible per request (None: a fresh random seed). ``logprobs``: every
+    :class:`TokenDelta` carries the sampled tokens' log-probabilities, and the ``top_logprobs`` (0–20) most likely
+    alternatives at each position; both of the model's raw distribution (before temperature, top-k and top-p).
     """
 
     temperature: float = 1.0
@@ -44,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     top_k: int = 0
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
 
 
 # ---------------------------------------------------------------- gateway -> worker
@@ -172,12 +175,18 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True, frozen=True):
 
     ``first_token_latency_ms`` is set on the first delta only: worker-side time from ``Generate`` received to the
     first token sampled, in ms (the gateway subtracts it from its TTFT to measure its own overhead).
+
+    With ``SamplingParams.logprobs``: ``logprobs[i]`` is the natural-log probability of ``token_ids[i]``,
+    ``top_token_ids[i]`` / ``top_logprobs[i]`` the most likely alternatives at that position (most likely first,
+    as many as ``SamplingParams.top_logprobs``). None without.
     """
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float] | None = None
     first_token_latency_ms: float | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 class Finished(msgspec.Struct, tag=True, array_like=True, frozen=True):

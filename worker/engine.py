@@ -11,9 +11,11 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shared.protocol import Generate
-from worker.scheduler import Scheduler, SeqEvent
+from worker.sampling import TokenLogprobs
+from worker.scheduler import Scheduler, SchedulerOutput, SeqEvent
 from worker.sequence import Sequence
 from worker.step_rates import StepRates
 
@@ -30,6 +32,7 @@ class StepResult:
         step_time_s: wall time of the step.
         num_decode_tokens: tokens decoded this step.
         num_prefill_tokens: prompt tokens computed this step.
+        logprobs: the log-probabilities of this step's token, for the sequences that asked for them.
     """
 
     events: list[SeqEvent]
@@ -37,6 +40,17 @@ class StepResult:
     step_time_s: float = 0.0
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+class StepRunner(Protocol):
+    """Runs a scheduled step and samples: the real :class:`worker.model_runner.ModelRunner` or the simulator's."""
+
+    step_logprobs: dict[str, TokenLogprobs]  # of the last run, for the sequences whose sampling asks for them
+
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        """Execute ``out``; return ``{request_id: sampled token id}`` for the sequences that sample."""
+        ...
 
 
 class Engine:
@@ -44,13 +58,12 @@ class Engine:
 
     Args:
         scheduler: decides each step's batch.
-        runner: runs a scheduled step and samples (``run(SchedulerOutput) -> {request_id: token}``); the real
-            :class:`worker.model_runner.ModelRunner` or the simulator's.
+        runner: runs a scheduled step and samples (:class:`StepRunner`).
         default_stop_token_ids: EOS ids of the model, added to every request's stop ids unless ``ignore_eos``.
         clock: the monotonic clock, seconds, that times steps (the measured rates' busy seconds).
     """
 
-    def __init__(self, scheduler: Scheduler, runner, default_stop_token_ids: list[int],
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, default_stop_token_ids: list[int],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -125,7 +138,7 @@ class Engine:
         step_time_s = end_s - start_s
         self._rates.observe(num_prefill, num_decode, step_time_s)
         result = StepResult(events, step_time_s=step_time_s, num_decode_tokens=num_decode,
-                            num_prefill_tokens=num_prefill)
+                            num_prefill_tokens=num_prefill, logprobs=self.runner.step_logprobs)
         for event in events:
             arrival_s = self._arrival_s.get(event.request_id)
             if arrival_s is not None and event.new_token_ids and event.completion_tokens == len(event.new_token_ids):

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
-from worker.sampling import Sampler
+from worker.sampling import Sampler, TokenLogprobs, token_logprobs
 from worker.scheduler import SchedulerOutput
 
 
@@ -178,11 +178,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_io = KVBlockIO(kv_cache)
         self.batch_builder = BatchBuilder(block_size, device)
+        self.step_logprobs: dict[str, TokenLogprobs] = {}
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
-        """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample."""
+        """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
+
+        The sequences that asked for log-probabilities find them in :attr:`step_logprobs` until the next call.
+        """
         batch = self.batch_builder.build(out)
         sampling = [item for item in out.scheduled if item.sample]
+        self.step_logprobs = {}
         if not sampling:
             with torch.inference_mode():
                 self.model.forward(batch, self.kv_cache)
@@ -195,4 +200,10 @@ class ModelRunner:
             [item.seq.seed for item in sampling],
             [len(item.seq.output_token_ids) for item in sampling],
         )
+        rows = [r for r, item in enumerate(sampling) if item.seq.sampling.logprobs]
+        if rows:
+            picked = logits if len(rows) == len(sampling) else logits[rows]
+            found = token_logprobs(picked, [token_ids[r] for r in rows],
+                                   [sampling[r].seq.sampling.top_logprobs for r in rows])
+            self.step_logprobs = {sampling[r].seq.request_id: lp for r, lp in zip(rows, found)}
         return {item.seq.request_id: token for item, token in zip(sampling, token_ids)}

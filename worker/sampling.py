@@ -13,6 +13,8 @@ Sampling is inverse-CDF over the filtered distribution, sorted by descending pro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shared.protocol import SamplingParams
@@ -32,6 +34,58 @@ def uniform_for(seed: int, output_pos: int) -> float:
     """Return the uniform draw in ``[0, 1)`` of request ``seed`` at output position ``output_pos`` (53-bit)."""
     x = _splitmix64((seed & _MASK64) ^ _splitmix64(output_pos & _MASK64))
     return (x >> 11) * (1.0 / (1 << 53))
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's chat limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities at one output position.
+
+    Attributes:
+        logprob: natural log of the sampled token's probability under the model's raw distribution, ``<= 0``.
+        top_token_ids: the ``k`` most likely token ids, most likely first (``k`` = the request's ``top_logprobs``).
+        top_logprobs: their log-probabilities, same order.
+    """
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_ks: list[int]) -> list[TokenLogprobs]:
+    """Return the log-probabilities of the sampled tokens and their top-k alternatives, one row each.
+
+    The distribution is the model's raw one: ``log_softmax(logits)`` before temperature, top-k and top-p, as vLLM
+    reports by default (``logprobs_mode = "raw_logprobs"``), so the numbers describe the model, not the sampler,
+    and a greedy and a sampled request of the same prompt report the same values.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` float, any device.
+        token_ids: the sampled token of each row.
+        top_ks: alternatives wanted per row, each in ``[0, MAX_TOP_LOGPROBS]``.
+
+    Returns:
+        One :class:`TokenLogprobs` per row (one device → host copy for the whole batch).
+
+    Raises:
+        ValueError: lists whose lengths differ from the number of rows, or a ``top_k`` out of range.
+    """
+    num_rows = logits.shape[0]
+    if not (len(token_ids) == len(top_ks) == num_rows):
+        raise ValueError(f"{num_rows} logit rows but {len(token_ids)} tokens and {len(top_ks)} top-k values")
+    if any(k < 0 or k > MAX_TOP_LOGPROBS for k in top_ks):
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_ks}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
+    max_k = max(top_ks, default=0)
+    top_values: list[list[float]] = [[] for _ in range(num_rows)]
+    top_ids: list[list[int]] = [[] for _ in range(num_rows)]
+    if max_k > 0:
+        top = logprobs.topk(max_k, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    return [TokenLogprobs(chosen[r], top_ids[r][:top_ks[r]], top_values[r][:top_ks[r]]) for r in range(num_rows)]
 
 
 class Sampler:

@@ -291,8 +291,13 @@ class WorkerServer:
                 continue
             request_id = _external_id(event.request_id)
             if event.new_token_ids:
-                conn.send(TokenDelta(request_id, event.new_token_ids, None,
-                                     result.first_token_latency_ms.get(event.request_id)))
+                latency_ms = result.first_token_latency_ms.get(event.request_id)
+                found = result.logprobs.get(event.request_id)
+                if found is None:
+                    conn.send(TokenDelta(request_id, event.new_token_ids, None, latency_ms))
+                else:
+                    conn.send(TokenDelta(request_id, event.new_token_ids, [found.logprob], latency_ms,
+                                         [found.top_token_ids], [found.top_logprobs]))
             error = getattr(event, "error", None)
             if error:
                 code = getattr(event, "error_code", None) or ErrorCode.CONTEXT_LENGTH_EXCEEDED.value

@@ -120,7 +120,7 @@ async def _stream(request: web.Request, plan: Plan, include_usage: bool) -> web.
     try:
         while event is not None:
             if isinstance(event, TextEvent):
-                pending.append(chunks.text(event.index, event.text))
+                pending.append(chunks.text(event.index, event.text, plan.logprobs_object(event.index, event.logprobs)))
             else:
                 pending.append(chunks.finish(event.index, event.finish_reason))
             if not generation.has_event():

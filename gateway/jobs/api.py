@@ -19,7 +19,9 @@ stored as a job (``deferred: true``) and the client gets 202 with the job object
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ from gateway.jobs.models import (
 )
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
+from gateway.jobs.stores import STORE_UNAVAILABLE_ERRORS
 from gateway.state import CONFIG, REQUEST_LOG, RESOLVER
 from shared.config import Config, TierConfig
 from shared.errors import ErrorCode, SluiceError
@@ -287,14 +290,33 @@ async def defer_shed_request(request: web.Request, kind: str, tier: TierConfig,
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     try:
         job = await submit_job(service, owner_of(request), kind, msgspec.json.encode(body), deferred=True)
-    except SluiceError:
+    except (SluiceError, *STORE_UNAVAILABLE_ERRORS):
         return None
     request[REQUEST_LOG].update(outcome="deferred", job_id=job.id, shed_code=error.code.value)
     return _job_response(job, 202)
 
 
+STORE_RETRY_AFTER_S = 5
+
+
+def store_unavailable_as_503(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                             ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Wrap a jobs / files / batches handler: a store that cannot be reached answers 503 ``store_unavailable``
+    with ``Retry-After`` instead of a 500."""
+
+    @functools.wraps(handler)
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except STORE_UNAVAILABLE_ERRORS as exc:
+            raise SluiceError(ErrorCode.STORE_UNAVAILABLE, f"the job store is unavailable ({type(exc).__name__}); "
+                              "retry later", retry_after_s=STORE_RETRY_AFTER_S) from None
+
+    return guarded
+
+
 def setup_job_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/jobs", create_job)
-    app.router.add_get("/v1/jobs", list_jobs)
-    app.router.add_get("/v1/jobs/{job_id}", get_job)
-    app.router.add_delete("/v1/jobs/{job_id}", delete_job)
+    app.router.add_post("/v1/jobs", store_unavailable_as_503(create_job))
+    app.router.add_get("/v1/jobs", store_unavailable_as_503(list_jobs))
+    app.router.add_get("/v1/jobs/{job_id}", store_unavailable_as_503(get_job))
+    app.router.add_delete("/v1/jobs/{job_id}", store_unavailable_as_503(delete_job))

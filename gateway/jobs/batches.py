@@ -11,9 +11,11 @@ Input line (OpenAI's)::
 
 Upload checks the file's shape (JSON objects, ``custom_id`` present and unique, ``method``, ``url``, ``body``; at
 most ``jobs.max_batch_lines`` lines and ``jobs.max_file_bytes`` bytes) and answers 400 / 413 naming the first bad
-line. Creating a batch checks every line against the endpoint and the request schema: a batch with bad lines is
-created ``failed`` with ``errors`` naming each line (as OpenAI's ``validating`` → ``failed``); a good one becomes
-``in_progress`` with one job per line, atomically.
+line. Creating a batch checks every line's ``url`` against the endpoint and its ``body.model`` against the served
+model: a batch with such lines is created ``failed`` with ``errors`` naming each line (as OpenAI's ``validating`` →
+``failed``). Otherwise it becomes ``in_progress`` with one job per line, atomically; a line whose body is not a
+valid request (a bad field, empty messages) does not fail the batch: it fails on its own when it runs, as OpenAI's
+do, and lands in the error file with ``response.status_code`` 400 and ``response.body.error`` naming the field.
 
 Finalization (:func:`finalize_batch`) runs when all lines are final, from whichever gateway sees it first (after a
 line finishes, or in the runner's upkeep loop — so a batch whose gateway was killed still finishes): it writes the
@@ -42,6 +44,7 @@ from gateway.jobs.api import (
     owner_of,
     page_params,
     read_json_object,
+    store_unavailable_as_503,
     too_many_jobs,
     validate_request_body,
 )
@@ -305,8 +308,9 @@ async def create_batch(request: web.Request) -> web.Response:
 
 
 def _jobs_of_batch(config: Config, batch: Batch, content: bytes) -> tuple[list[Job], list[dict[str, Any]]]:
-    """Return one queued job per input line, and the validation errors of the bad lines (OpenAI ``BatchError``:
-    code, line, param, message). Synchronous (it runs in a thread)."""
+    """Return one queued job per input line, and the errors of the lines that fail the whole batch (a wrong ``url``
+    or model; OpenAI ``BatchError``: code, line, param, message). A line whose body is otherwise invalid is queued
+    as it is: it fails when it runs (a 400 in the error file). Synchronous (it runs in a thread)."""
     kind = ENDPOINT_TO_KIND[batch.endpoint]
     jobs: list[Job] = []
     errors: list[dict[str, Any]] = []
@@ -318,9 +322,11 @@ def _jobs_of_batch(config: Config, batch: Batch, content: bytes) -> tuple[list[J
         try:
             encoded = validate_request_body(config, kind, line.body)
         except SluiceError as exc:
-            errors.append({"code": exc.code.value, "line": number, "param": exc.param and f"body.{exc.param}",
-                           "message": exc.message})
-            continue
+            if exc.code is ErrorCode.MODEL_NOT_FOUND:
+                errors.append({"code": exc.code.value, "line": number, "param": exc.param and f"body.{exc.param}",
+                               "message": exc.message})
+                continue
+            encoded = msgspec.json.encode({k: v for k, v in line.body.items() if k not in ("stream", "stream_options")})
         jobs.append(Job(id=f"job_{batch.id.removeprefix('batch_')}_{number}", owner=batch.owner, kind=kind,
                         body=encoded, created_at=batch.created_at, expires_at=batch.expires_at, batch_id=batch.id,
                         custom_id=line.custom_id, line=number))
@@ -417,12 +423,10 @@ async def finalize_batch(service: JobsService, batch_id: str) -> None:
 
 
 def setup_batch_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/files", upload_file)
-    app.router.add_get("/v1/files", list_files)
-    app.router.add_get("/v1/files/{file_id}", get_file)
-    app.router.add_delete("/v1/files/{file_id}", delete_file)
-    app.router.add_get("/v1/files/{file_id}/content", get_file_content)
-    app.router.add_post("/v1/batches", create_batch)
-    app.router.add_get("/v1/batches", list_batches)
-    app.router.add_get("/v1/batches/{batch_id}", get_batch)
-    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+    routes = [("POST", "/v1/files", upload_file), ("GET", "/v1/files", list_files),
+              ("GET", "/v1/files/{file_id}", get_file), ("DELETE", "/v1/files/{file_id}", delete_file),
+              ("GET", "/v1/files/{file_id}/content", get_file_content), ("POST", "/v1/batches", create_batch),
+              ("GET", "/v1/batches", list_batches), ("GET", "/v1/batches/{batch_id}", get_batch),
+              ("POST", "/v1/batches/{batch_id}/cancel", cancel_batch)]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, store_unavailable_as_503(handler))

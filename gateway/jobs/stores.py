@@ -1,11 +1,19 @@
-"""Make the job store that ``[jobs] store`` names: SQLite (the default) or Redis."""
+"""Make the job store that ``[jobs] store`` names: SQLite (the default) or Redis; and what a store that cannot be
+reached raises."""
 
 from __future__ import annotations
+
+import redis.exceptions
 
 from gateway.jobs.redis_store import RedisJobStore
 from gateway.jobs.sqlite_store import SqliteJobStore
 from gateway.jobs.store import JobStore
 from shared.config import JobsConfig, default_jobs_sqlite_path
+
+
+# A store that cannot be reached for now (Redis stopped, restarting or unreachable): 503, not a bug.
+STORE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.ConnectionError,
+                                                             redis.exceptions.TimeoutError)
 
 
 def make_store(config: JobsConfig) -> JobStore:

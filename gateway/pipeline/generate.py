@@ -38,6 +38,7 @@ import structlog
 from gateway.admission.controller import AdmissionController
 from gateway.admission.tickets import Ticket
 from gateway.pipeline.detokenize import IncrementalDetokenizer
+from gateway.pipeline.logprobs import LogprobLedger, TokenLogprob
 from gateway.metrics import Metrics
 from gateway.pipeline.stop import StopStringMatcher
 from gateway.pipeline.classify import Principal
@@ -45,7 +46,7 @@ from gateway.pipeline.tokenize import Tokenizer
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
-from gateway.workers.stream import RequestStream
+from gateway.workers.stream import RequestStream, StreamUpdate
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Generate, SamplingParams
 
@@ -61,10 +62,12 @@ HEALTH_FAILURE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIME
 
 @dataclass
 class TextEvent:
-    """New text of one choice (never empty)."""
+    """New text of one choice (never empty), with the log-probabilities of the tokens whose text starts in it
+    (when the request asked for them; else empty)."""
 
     index: int
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class ChoiceState:
     finish_reason: str | None = None
     text_parts: list[str] = field(default_factory=list)
     last_token_at_s: float = 0.0
+    logprobs: LogprobLedger = field(default_factory=LogprobLedger)
 
     @property
     def reservation(self) -> Reservation | None:
@@ -377,7 +381,7 @@ class Generation:
                 if choice.completion_tokens == 0:
                     self.pool.record_success(choice.reservation)
                 self._observe_tokens(choice, update.token_ids, update.first_token_latency_ms)
-                text = choice.matcher.push(choice.detokenizer.push(update.token_ids))
+                text = choice.matcher.push(self._detokenize(choice, update))
                 if text:
                     await self._emit(choice, text)
                 if choice.matcher.matched is not None:
@@ -397,6 +401,17 @@ class Generation:
                 await self._finish(choice, "length" if reason == "length" else "stop")
                 return
 
+    def _detokenize(self, choice: ChoiceState, update: StreamUpdate) -> str:
+        """Return the text of the update's tokens; with logprobs, note where each token's text starts."""
+        if not self.sampling.logprobs or len(update.logprobs) != len(update.token_ids):
+            return choice.detokenizer.push(update.token_ids)
+        pieces = []
+        for token_id, logprob, top_ids, top_logprobs in zip(update.token_ids, update.logprobs,
+                                                             update.top_token_ids, update.top_logprobs):
+            pieces.append(choice.detokenizer.push([token_id]))
+            choice.logprobs.add(token_id, logprob, top_ids, top_logprobs, pieces[-1])
+        return "".join(pieces)
+
     def _observe_tokens(self, choice: ChoiceState, token_ids: list[int], worker_ttft_ms: float | None) -> None:
         now_s = time.perf_counter()
         if choice.completion_tokens == 0:
@@ -413,7 +428,7 @@ class Generation:
 
     async def _emit(self, choice: ChoiceState, text: str) -> None:
         choice.text_parts.append(text)
-        await self._events.put(TextEvent(choice.index, text))
+        await self._events.put(TextEvent(choice.index, text, choice.logprobs.emit(text)))
 
     async def _finish(self, choice: ChoiceState, reason: str) -> None:
         choice.finish_reason = reason
@@ -432,3 +447,7 @@ class Generation:
 
     def text(self, index: int) -> str:
         return "".join(self.choices[index].text_parts)
+
+    def logprobs(self, index: int) -> list[TokenLogprob]:
+        """Return the log-probabilities of the tokens of choice ``index``'s text (empty unless asked for)."""
+        return self.choices[index].logprobs.released

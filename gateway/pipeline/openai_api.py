@@ -6,8 +6,10 @@ Policy (deliberate, documented in the README):
 - Known fields with a wrong type or value are rejected with 400 and the field path in ``param``
   (``messages[0].content``, ``max_tokens`` …).
 - Features Sluice does not implement are rejected with a clear 400 rather than silently ignored when ignoring them
-  would change the answer: ``logprobs``/``top_logprobs``, non-zero ``presence_penalty``/``frequency_penalty``,
-  ``tools``, ``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` ≠ ``n``.
+  would change the answer: non-zero ``presence_penalty``/``frequency_penalty``, ``tools``, ``response_format``
+  other than text, ``echo``, ``suffix``, ``best_of`` ≠ ``n``.
+- ``logprobs``: chat ``logprobs: true`` with ``top_logprobs`` 0–20 (``top_logprobs`` > 0 needs ``logprobs: true``);
+  completions ``logprobs`` 0–5 (OpenAI's limits).
 - ``max_tokens`` / ``max_completion_tokens``: null or omitted means the default; 0, negative or fractional is 400.
 """
 
@@ -29,6 +31,10 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+ChatTopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)]
+CompletionLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)]
 
 
 class _Schema(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
@@ -83,7 +89,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: ChatTopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -102,7 +108,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     """
 
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: CompletionLogprobs | None = None
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -266,10 +272,8 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
     if request.logit_bias:
         raise _invalid("logit_bias is not supported by this server (only {} or null)", "logit_bias")
     if isinstance(request, ChatCompletionRequest):
-        if request.logprobs:
-            raise _invalid("logprobs are not supported by this server", "logprobs")
-        if request.top_logprobs:
-            raise _invalid("top_logprobs are not supported by this server", "top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise _invalid("top_logprobs needs logprobs set to true", "top_logprobs")
         if request.tools:
             raise _invalid("tools (function calling) are not supported by this server", "tools")
         if request.tool_choice not in (None, "none"):
@@ -287,14 +291,19 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
         if request.reasoning_effort is not None:
             raise _invalid("reasoning_effort is not supported by this model", "reasoning_effort")
     else:
-        if request.logprobs is not None:
-            raise _invalid("logprobs are not supported by this server (only null)", "logprobs")
         if request.echo:
             raise _invalid("echo is not supported by this server", "echo")
         if request.suffix:
             raise _invalid("suffix is not supported by this server", "suffix")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise _invalid("best_of must equal n (server-side best-of is not supported)", "best_of")
+
+
+def logprobs_wanted(request: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
+    """Return (whether the answer carries log-probabilities, how many alternatives per position)."""
+    if isinstance(request, ChatCompletionRequest):
+        return bool(request.logprobs), (request.top_logprobs or 0) if request.logprobs else 0
+    return request.logprobs is not None, request.logprobs or 0
 
 
 def requested_max_tokens(request: ChatCompletionRequest | CompletionRequest) -> int | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.fleet.fleet import Fleet
@@ -30,6 +30,7 @@ from gateway.metrics import Metrics
 from gateway.pipeline import openai_api
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.generate import FinishEvent, Generation
+from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import PromptTooLong, Tokenizer
 from shared.config import Config
@@ -56,6 +57,8 @@ class Plan:
         caps: the output cap of each prompt (``gateway.admission.caps``).
         generation: its choices' runs on workers.
         arrival_s: ``time.perf_counter()`` when the request arrived.
+        logprob_formatter: names the tokens of the answer's log-probabilities; None when not asked for.
+        prompt_chars: characters of each prompt's text (completions ``text_offset`` counts from there).
     """
 
     kind: Kind
@@ -67,6 +70,17 @@ class Plan:
     caps: list[Any]
     generation: Generation
     arrival_s: float
+    logprob_formatter: LogprobFormatter | None = None
+    prompt_chars: list[int] = field(default_factory=list)
+
+    def logprobs_object(self, index: int, entries: list[TokenLogprob]) -> dict | None:
+        """Return choice ``index``'s ``logprobs`` object for ``entries`` (a whole answer or one chunk's tokens);
+        None when the request did not ask for log-probabilities."""
+        if self.logprob_formatter is None:
+            return None
+        if self.kind == "chat":
+            return self.logprob_formatter.chat(entries)
+        return self.logprob_formatter.completion(entries, self.prompt_chars[index // self.generation.n])
 
     @property
     def model_name(self) -> str:
@@ -94,6 +108,7 @@ class RequestPipeline:
         self.fleet = fleet
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.logprob_formatter = LogprobFormatter(tokenizer)
 
     def parse(self, kind: Kind, raw_body: bytes) -> OpenAIRequest:
         """Decode and validate a request body against its OpenAI schema; check that its model is served.
@@ -196,7 +211,13 @@ class RequestPipeline:
             stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
             cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
         )
-        return Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
+        plan = Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
+        if generation.sampling.logprobs:
+            plan.logprob_formatter = self.logprob_formatter
+            if isinstance(body, openai_api.CompletionRequest):
+                plan.prompt_chars = [len(p) if isinstance(p, str) else len(self.tokenizer.decode(p))
+                                     for p in openai_api.completion_prompts(body)]
+        return plan
 
     async def admit(self, plan: Plan) -> None:
         """Start a worker for a pool that has none ready (or reject when its cold start is too late), then wait in
@@ -220,9 +241,10 @@ class RequestPipeline:
             if isinstance(event, FinishEvent):
                 finish_reasons[event.index] = event.finish_reason
         texts = [generation.text(i) for i in range(len(generation.choices))]
+        logprobs = [plan.logprobs_object(i, generation.logprobs(i)) for i in range(len(generation.choices))]
         build = chat_completion if plan.kind == "chat" else text_completion
         return build(plan.response_id, int(time.time()), plan.model_name, texts, finish_reasons,
-                     generation.usage().to_dict())
+                     generation.usage().to_dict(), logprobs)
 
     async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
                              on_admitted: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -265,11 +287,14 @@ def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail:
 
 def _sampling(body: OpenAIRequest) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    logprobs, top_logprobs = openai_api.logprobs_wanted(body)
     return SamplingParams(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         top_k=top_k,
         seed=body.seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 

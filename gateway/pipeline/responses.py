@@ -72,12 +72,16 @@ class ChunkFactory:
         return (self._choice_head(index)
                 + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
 
-    def text(self, index: int, text: str) -> bytes:
-        """Return a chunk carrying new text of one choice (finish_reason null)."""
+    def text(self, index: int, text: str, logprobs: dict | None = None) -> bytes:
+        """Return a chunk carrying new text of one choice (finish_reason null), and its tokens' ``logprobs``
+        object when the request asked for them."""
         head = self._text_heads.get(index)
         if head is None:
             head = self._text_heads[index] = self._choice_head(index) + self._text_field
-        return head + _json_encoder.encode(text) + self._text_tail
+        if logprobs is None:
+            return head + _json_encoder.encode(text) + self._text_tail
+        return (head + _json_encoder.encode(text) + (b'},"logprobs":' if self.kind == "chat" else b',"logprobs":')
+                + _json_encoder.encode(logprobs) + b',"finish_reason":null}]}\n\n')
 
     def finish(self, index: int, finish_reason: str) -> bytes:
         """Return the last chunk of a choice: no new text, its finish_reason."""
@@ -91,23 +95,24 @@ class ChunkFactory:
 
 
 def chat_completion(response_id: str, created_s: int, model: str, texts: list[str], finish_reasons: list[str],
-                    usage: dict) -> dict:
-    """Return a non-streamed ``chat.completion`` object."""
+                    usage: dict, logprobs: list[dict | None] | None = None) -> dict:
+    """Return a non-streamed ``chat.completion`` object (``logprobs``: each choice's object, or None)."""
+    logprobs = logprobs or [None] * len(texts)
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-         "finish_reason": reason}
-        for i, (text, reason) in enumerate(zip(texts, finish_reasons))
+        {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
+        for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs))
     ]
     return {"id": response_id, "object": "chat.completion", "created": created_s, "model": model,
             "choices": choices, "usage": usage}
 
 
 def text_completion(response_id: str, created_s: int, model: str, texts: list[str], finish_reasons: list[str],
-                    usage: dict) -> dict:
-    """Return a non-streamed ``text_completion`` object."""
+                    usage: dict, logprobs: list[dict | None] | None = None) -> dict:
+    """Return a non-streamed ``text_completion`` object (``logprobs``: each choice's object, or None)."""
+    logprobs = logprobs or [None] * len(texts)
     choices = [
-        {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-        for i, (text, reason) in enumerate(zip(texts, finish_reasons))
+        {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+        for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs))
     ]
     return {"id": response_id, "object": "text_completion", "created": created_s, "model": model,
             "choices": choices, "usage": usage}

@@ -355,6 +355,19 @@ class Tokenizer:
             return bytes(char_to_byte[ch] for ch in text)
         return text.encode()
 
+    def token_text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
+        """Return one token as logprobs show it: its text and its bytes.
+
+        An ordinary token is its raw bytes (:meth:`token_bytes`) and their UTF-8 decoding with the bytes of an
+        incomplete character written as ``\\xHH`` escapes (as OpenAI shows byte tokens); a special token (EOS, chat
+        markers) is its literal text, e.g. ``<|im_end|>``, and that text's UTF-8 bytes.
+        """
+        if token_id in self._special_ids or token_id in self._decode_skipped_ids:
+            text = self.backend.id_to_token(token_id) or ""
+            return text, text.encode()
+        raw = self.token_bytes([token_id])
+        return raw.decode("utf-8", errors="backslashreplace"), raw
+
     def decode(self, token_ids: list[int]) -> str:
         """Decode token ids to text, skipping special tokens (EOS and chat markers)."""
         return self.backend.decode(token_ids, skip_special_tokens=True)

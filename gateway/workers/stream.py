@@ -34,11 +34,17 @@ class StreamUpdate(msgspec.Struct, frozen=True):
         token_ids: new output token ids, in order.
         first_token_latency_ms: the worker's time to first token, on the update that carries the first token.
         finished: the worker's final report, or None while the request runs.
+        logprobs: per token of ``token_ids``, its log-probability (requests that asked for them; else empty).
+        top_token_ids, top_logprobs: per token of ``token_ids``, the most likely alternatives and their
+            log-probabilities (same condition).
     """
 
     token_ids: list[int]
     first_token_latency_ms: float | None = None
     finished: Finished | None = None
+    logprobs: list[float] = []
+    top_token_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class RequestStream:
@@ -52,6 +58,9 @@ class RequestStream:
         self.request_id = request_id
         self.worker = worker
         self._token_ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._top_token_ids: list[list[int]] = []
+        self._top_logprobs: list[list[float]] = []
         self._first_token_latency_ms: float | None = None
         self._finished: Finished | None = None
         self._error: SluiceError | None = None
@@ -67,6 +76,10 @@ class RequestStream:
     def _push(self, delta: TokenDelta) -> None:
         self._started()
         self._token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self._logprobs.extend(delta.logprobs)
+            self._top_token_ids.extend(delta.top_token_ids or [[] for _ in delta.logprobs])
+            self._top_logprobs.extend(delta.top_logprobs or [[] for _ in delta.logprobs])
         if delta.first_token_latency_ms is not None:
             self._first_token_latency_ms = delta.first_token_latency_ms
         self._wake()
@@ -104,7 +117,12 @@ class RequestStream:
         if token_ids or self._finished is not None:
             # A failure that came with these tokens is reported by the next call, at once rather than after a wait.
             self._has_update = self._error is not None
-            return StreamUpdate(token_ids, latency_ms, self._finished)
+            if not self._logprobs:
+                return StreamUpdate(token_ids, latency_ms, self._finished)
+            logprobs, self._logprobs = self._logprobs, []
+            top_ids, self._top_token_ids = self._top_token_ids, []
+            top_logprobs, self._top_logprobs = self._top_logprobs, []
+            return StreamUpdate(token_ids, latency_ms, self._finished, logprobs, top_ids, top_logprobs)
         if self._error is not None:
             raise self._error
         return StreamUpdate([], latency_ms, None)

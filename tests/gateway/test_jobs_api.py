@@ -279,3 +279,26 @@ def test_job_survives_a_worker_killed_mid_job(server):
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
     assert done["result"]["usage"]["completion_tokens"] == 16
     assert server.status()["local_workers"][0]["pid"] != worker_pid
+
+
+async def test_an_unreachable_store_is_503_store_unavailable_with_retry_after():
+    import redis.exceptions
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.http.middleware import error_middleware
+    from gateway.jobs.api import store_unavailable_as_503
+    from gateway.metrics import Metrics
+    from gateway.state import METRICS
+
+    async def handler(request: web.Request) -> web.Response:
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    app = web.Application(middlewares=[error_middleware])
+    app[METRICS] = Metrics()
+    app.router.add_post("/v1/jobs", store_unavailable_as_503(handler))
+    async with TestClient(TestServer(app)) as client:
+        response = await client.post("/v1/jobs", json={})
+        body = await response.json()
+    assert response.status == 503 and response.headers["Retry-After"] == "5"
+    assert body["error"]["code"] == "store_unavailable" and body["error"]["type"] == "server_error"

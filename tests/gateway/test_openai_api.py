@@ -41,7 +41,10 @@ def test_bc22_non_object_body_is_400(raw):
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}', "top_p"),
     (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
      "messages[0].content[0].type"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', "top_logprobs"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
+     "top_logprobs"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}', "logprobs"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
      "presence_penalty"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999999}', "seed"),
@@ -80,7 +83,7 @@ def test_harmless_spellings_of_those_fields_are_accepted(extra):
     openai_api.check_unsupported(request)
 
 
-@pytest.mark.parametrize("extra, param", [('"logprobs": 0', "logprobs"), ('"logprobs": 2', "logprobs"),
+@pytest.mark.parametrize("extra, param", [('"logprobs": -1', "logprobs"), ('"logprobs": 6', "logprobs"),
                                           ('"logit_bias": {"50256": -100}', "logit_bias")])
 def test_completions_fields_that_would_change_the_answer_are_400(extra, param):
     with pytest.raises(SluiceError) as info:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
-from worker.sampling import Sampler, uniform_for
+from worker.sampling import Sampler, token_logprobs, uniform_for
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -85,3 +85,20 @@ def test_mismatched_lengths_and_negative_temperature_raise():
         Sampler().sample(_logits(2), [GREEDY], [0, 1], [0, 0])
     with pytest.raises(ValueError):
         Sampler().sample(_logits(1), [SamplingParams(temperature=-1.0)], [0], [0])
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_temperature():
+    logits = _logits(3, vocab_size=200)
+    params = [GREEDY, SamplingParams(temperature=1.7, top_k=5, logprobs=True), SamplingParams(temperature=0.3)]
+    tokens = Sampler().sample(logits, params, [1, 2, 3], [0, 0, 0])
+    found = token_logprobs(logits, tokens, [0, 4, 20])
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, (token, item) in enumerate(zip(tokens, found)):
+        assert item.logprob == pytest.approx(expected[row, token].item(), abs=1e-6) and item.logprob <= 0
+        top = expected[row].topk(len(item.top_token_ids))
+        assert item.top_token_ids == top.indices.tolist()
+        assert item.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert [len(item.top_token_ids) for item in found] == [0, 4, 20]
+    assert found[0].logprob == pytest.approx(expected[0].max().item())  # greedy: the most likely token
+    with pytest.raises(ValueError):
+        token_logprobs(logits, tokens, [0, 0, 21])

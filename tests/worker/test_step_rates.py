@@ -30,6 +30,7 @@ class FixedStepRunner:
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
+        self.step_logprobs = {}
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         self.clock.now_s += STEP_S

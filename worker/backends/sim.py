@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import Config, SimConfig, resolve_model_path
+from worker.sampling import TokenLogprobs
 from worker.scheduler import SchedulerOutput
 
 GIB = 1024**3
@@ -78,8 +79,14 @@ class SimRunner:
         self.host_overlap_s = 0.0
         self._gpu_end_s = -math.inf  # time.monotonic() when the simulated GPU finishes its last step
         self._last_duration_s = 0.0
+        self.step_logprobs: dict[str, TokenLogprobs] = {}
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
+        """Wait the step's roofline time; return each sampling sequence's deterministic pseudo-random token.
+
+        The simulator's token is certain, so a sequence that asks for log-probabilities gets 0.0 for it and that
+        token as its only alternative (:attr:`step_logprobs`).
+        """
         num_prefill = 0
         kv_tokens = 0
         for item in out.scheduled:
@@ -100,11 +107,18 @@ class SimRunner:
         self._last_duration_s = duration_s
         self.num_steps += 1
         self.simulated_busy_s += duration_s
-        return {
+        sampled = {
             item.seq.request_id: sim_token(item.seq.seed, len(item.seq.output_token_ids), self.vocab)
             for item in out.scheduled
             if item.sample
         }
+        self.step_logprobs = {
+            item.seq.request_id: TokenLogprobs(0.0, [sampled[item.seq.request_id]][:item.seq.sampling.top_logprobs],
+                                               [0.0][:item.seq.sampling.top_logprobs])
+            for item in out.scheduled
+            if item.sample and item.seq.sampling.logprobs
+        }
+        return sampled
 
 
 def tokenizer_facts(path: str) -> tuple[int, list[int], list[int]]:

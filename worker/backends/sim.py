@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.config import Config, SimConfig, resolve_model_path
@@ -79,7 +80,9 @@ class SimRunner:
         self._gpu_end_s = -math.inf  # time.monotonic() when the simulated GPU finishes its last step
         self._last_duration_s = 0.0
 
-    def run(self, out: SchedulerOutput) -> dict[str, int]:
+    def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
+        """Wait the simulated step time of ``out`` and return a pseudo-random token for each sequence that samples
+        (``should_stop`` is not asked: a simulated step is one wait)."""
         num_prefill = 0
         kv_tokens = 0
         for item in out.scheduled:

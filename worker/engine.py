@@ -1,7 +1,10 @@
 """The worker's engine loop: schedule → run the model → sample → report, one step at a time.
 
 The engine is synchronous and single-threaded: :class:`worker.server.WorkerServer` calls :meth:`Engine.step` in a
-dedicated thread and applies arrivals and aborts between steps, so an ``Abort`` takes effect within one step.
+dedicated thread and applies arrivals and aborts between steps, so an ``Abort`` takes effect within one step. The
+server also marks an abort at once (:meth:`Engine.request_abort`, from its own thread): a step whose every sequence
+is marked stops between two layers of the model (a long prompt's prefill chunk can take seconds on a CPU), and its
+sequences are freed by the aborts that follow.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from worker.sequence import Sequence
 from worker.step_rates import StepRates
 
 KV_STATS_INTERVAL_S = 0.1  # how often the engine thread refreshes the KV stats snapshot that capacity reports read
+
+
+class StepAbandoned(Exception):
+    """A model step stopped between two layers because every sequence in it was aborted (the runner raises it)."""
 
 
 @dataclass
@@ -72,6 +79,7 @@ class Engine:
         self._clock = clock
         self._rates = StepRates()
         self._prompt_tokens_window = collections.deque()  # (now_s, prompt_tokens, cached_tokens)
+        self._abort_requested: set[str] = set()  # added by the server's thread, read between layers
         self._kv_stats: dict[str, float] = self.scheduler.kv.stats_snapshot()
         self._kv_stats_at_s = clock()
 
@@ -104,8 +112,14 @@ class Engine:
             seq.start_deadline_s = received_s + (msg.deadline_s - time.time())
         self.scheduler.add(seq)
 
+    def request_abort(self, request_id: str) -> None:
+        """Mark a request as aborted while a step may be running (any thread): a step of only marked requests
+        stops early. :meth:`abort` must follow, between steps."""
+        self._abort_requested.add(request_id)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now; return whether it was known."""
+        self._abort_requested.discard(request_id)
         self._arrival_s.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
@@ -130,7 +144,12 @@ class Engine:
         num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
         num_prefill = sum(s.num_new_tokens for s in out.scheduled) - num_decode
         run_start_s = time.perf_counter()
-        sampled = self.runner.run(out)
+        step_ids = [s.seq.request_id for s in out.scheduled]
+        aborted = self._abort_requested
+        try:
+            sampled = self.runner.run(out, lambda: all(request_id in aborted for request_id in step_ids))
+        except StepAbandoned:
+            return StepResult(events=[], step_time_s=self._clock() - start_s)
         kv.observe_prefill(num_prefill, num_decode, time.perf_counter() - run_start_s)
         events = self.scheduler.update_from_output(out, sampled)
         end_s = self._clock()

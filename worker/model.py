@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from worker.attention import AttentionBackend, make_attention_backend
 from worker.batch import ForwardBatch
+from worker.engine import StepAbandoned
 from worker.quant import DenseLinear, Int4Linear, Int8Linear, Linear, RowSplit, quantize_int4_groups
 
 #: ``model.weights`` values; ``auto`` is resolved by :func:`resolve_weights_mode`
@@ -390,16 +392,22 @@ class LlamaModel:
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor,
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run one step over the paged pool: write this step's K/V, return the wanted logits.
 
         Args:
             batch: the step (see :class:`worker.batch.ForwardBatch`).
             kv_cache: ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` in the model's dtype
                 and device; updated in place.
+            should_stop: asked before each layer (host side, no device sync); True abandons the step.
 
         Returns:
             ``[num_logits, vocab_size]`` float32 logits of the rows ``batch.logits_indices``.
+
+        Raises:
+            StepAbandoned: ``should_stop`` said so; the K/V of this step's tokens is partly written, and the
+                caller frees their blocks.
         """
         spec = self.spec
         num_tokens = batch.input_ids.shape[0]
@@ -415,6 +423,8 @@ class LlamaModel:
         rows = (RowSplit.from_query_start_loc(batch.query_start_loc, self.device) if self._split_rows
                 else RowSplit.prefill_only())
         for i, layer in enumerate(self.layers):
+            if should_stop is not None and should_stop():
+                raise StepAbandoned(f"abandoned before layer {i}")
             input_norm, post_norm = self._norms_f32[i]
             h = F.rms_norm(x, hidden, input_norm, eps).to(act)
             qkv = layer.qkv.forward(h, rows)

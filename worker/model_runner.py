@@ -5,6 +5,8 @@ The one place where scheduler metadata (sequences, block ids) meets tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -180,20 +182,27 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(block_size, device)
         self.step_logprobs: dict[str, TokenLogprobs] = {}
 
-    def run(self, out: SchedulerOutput) -> dict[str, int]:
+    def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
 
         The sequences that asked for log-probabilities find them in :attr:`step_logprobs` until the next call.
+
+        Args:
+            out: the scheduled step.
+            should_stop: passed to the model's forward (asked between layers).
+
+        Raises:
+            StepAbandoned: ``should_stop`` said so.
         """
         batch = self.batch_builder.build(out)
         sampling = [item for item in out.scheduled if item.sample]
         self.step_logprobs = {}
         if not sampling:
             with torch.inference_mode():
-                self.model.forward(batch, self.kv_cache)
+                self.model.forward(batch, self.kv_cache, should_stop)
             return {}
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.kv_cache)
+            logits = self.model.forward(batch, self.kv_cache, should_stop)
         token_ids = self.sampler.sample(
             logits,
             [item.seq.sampling for item in sampling],

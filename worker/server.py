@@ -199,6 +199,7 @@ class WorkerServer:
             self._connections.pop(conn.conn_id, None)
             for internal_id in list(conn.request_ids):
                 self._pending_aborts.append(internal_id)
+                self.engine.request_abort(internal_id)
             self._wake.set()
             writer.close()
             log.info("gateway_disconnected", conn_id=conn.conn_id, aborted=len(conn.request_ids))
@@ -211,6 +212,7 @@ class WorkerServer:
                 internal_id = _internal_id(conn.conn_id, request_id)
                 if internal_id in conn.request_ids:
                     self._pending_aborts.append(internal_id)
+                    self.engine.request_abort(internal_id)
                     self._wake.set()
             case Drain():
                 self.draining = True
@@ -253,6 +255,8 @@ class WorkerServer:
         for internal_id in aborts:
             self.engine.abort(internal_id)
             self._forget(internal_id)
+        if aborts:
+            self._broadcast_capacity()  # the freed blocks and slots, now rather than at the next report
         adds, self._pending_adds = self._pending_adds, []
         for internal_id, msg, received_s in adds:
             if internal_id in self._owner:  # not aborted meanwhile

@@ -15,7 +15,7 @@ import torch
 from shared.config import KVConfig, SimConfig
 from shared.protocol import Generate, SamplingParams
 from worker.backends.sim import SimRunner
-from worker.engine import Engine
+from worker.engine import Engine, StepAbandoned
 from worker.kv_cache.manager import KVCacheManager
 from worker.kv_cache.offload.chain import build_offload_chain
 from worker.model_runner import KVBlockIO
@@ -76,3 +76,38 @@ def test_bc33_memory_flat_over_20000_requests_sim_backend(offload, tmp_path):
         assert disk.used_bytes <= disk.capacity_bytes and disk.flush(timeout_s=30)
         live_files = {entry.handle[0].path for entry in disk._index.values()}  # one file per demoted batch
         assert sorted(str(path) for path in tmp_path.glob("*/*.kv")) == sorted(live_files)  # none leaked
+
+
+class LayeredRunner:
+    """Stands for the model runner in the abandon decision: asks ``should_stop`` before each of its 4 layers, as
+    ``LlamaModel.forward`` does, and calls ``on_layer`` after each (to abort while the step runs)."""
+
+    def __init__(self) -> None:
+        self.num_layers_run = 0
+        self.on_layer = lambda layer: None
+
+    def run(self, out, should_stop=None) -> dict[str, int]:
+        for layer in range(4):
+            if should_stop is not None and should_stop():
+                raise StepAbandoned(f"before layer {layer}")
+            self.num_layers_run += 1
+            self.on_layer(layer)
+        return {item.seq.request_id: 7 for item in out.scheduled if item.sample}
+
+
+def test_a_step_whose_every_sequence_is_aborted_stops_between_layers():
+    manager = KVCacheManager(NUM_BLOCKS, BS, config=KVConfig())
+    runner = LayeredRunner()
+    engine = Engine(Scheduler(manager, 8, 512, 4096), runner, [2])
+    free_at_start = manager.num_free_blocks
+    for request_id in ("a", "b"):
+        engine.add(request_id, Generate(request_id, list(range(100, 140)), SamplingParams(temperature=0.0), 4))
+    # one of the two is aborted during the step: the step runs to its end for the other
+    runner.on_layer = lambda layer: engine.request_abort("a") if layer == 0 else None
+    assert {event.request_id for event in engine.step().events} == {"a", "b"} and runner.num_layers_run == 4
+    engine.abort("a")
+    # the last one is aborted during the next step: it stops after that layer and emits nothing
+    runner.on_layer = lambda layer: engine.request_abort("b") if layer == 1 else None
+    assert engine.step().events == [] and runner.num_layers_run == 4 + 2
+    engine.abort("b")
+    assert not engine.has_work() and manager.num_free_blocks == free_at_start

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.config import Config, SimConfig, resolve_model_path
@@ -81,8 +82,9 @@ class SimRunner:
         self._last_duration_s = 0.0
         self.step_logprobs: dict[str, TokenLogprobs] = {}
 
-    def run(self, out: SchedulerOutput) -> dict[str, int]:
-        """Wait the step's roofline time; return each sampling sequence's deterministic pseudo-random token.
+    def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
+        """Wait the simulated step time of ``out``; return each sampling sequence's deterministic pseudo-random
+        token (``should_stop`` is not asked: a simulated step is one wait).
 
         The simulator's token is certain, so a sequence that asks for log-probabilities gets 0.0 for it and that
         token as its only alternative (:attr:`step_logprobs`).

@@ -293,9 +293,9 @@ class WorkerServer:
             if event.new_token_ids:
                 conn.send(TokenDelta(request_id, event.new_token_ids, None,
                                      result.first_token_latency_ms.get(event.request_id)))
-            error = getattr(event, "error", None)
+            error = event.error
             if error:
-                code = getattr(event, "error_code", None) or ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
+                code = event.error_code or ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
                 conn.send(Failed(request_id, code, error))
                 self._forget(event.request_id)
                 changed = True

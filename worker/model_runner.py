@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
+from worker.cuda_graphs import DecodeGraphs
 from worker.sampling import Sampler
 from worker.scheduler import SchedulerOutput
 
@@ -191,13 +192,17 @@ class ModelRunner:
         kv_cache: ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` on the model's device.
         block_size: tokens per KV block.
         device: the model's device.
+        decode_graphs: when set, decode-only steps run through it (:class:`worker.cuda_graphs.DecodeGraphs`: CUDA
+            graphs per batch-size bucket); other steps run the model eagerly.
     """
 
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.decode_graphs = decode_graphs
         self.sampler = Sampler()
         self.block_io = KVBlockIO(kv_cache)
         self.batch_builder = BatchBuilder(block_size, device)
@@ -211,7 +216,9 @@ class ModelRunner:
                 self.model.forward(batch, self.kv_cache)
             return {}
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.kv_cache)
+            logits = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
+            if logits is None:
+                logits = self.model.forward(batch, self.kv_cache)
         token_ids = self.sampler.sample(
             logits,
             [item.seq.sampling for item in sampling],

@@ -11,7 +11,7 @@ its real time). Per point:
 - roofline: a decode step must read every weight once (embedding rows aside) and the K/V of every sequence's
   context; ``roofline_step_ms`` = (weight bytes + KV bytes of the mean context) ÷ the device-to-device copy
   bandwidth measured in the same run (bytes read + written ÷ time), and ``fraction_of_roofline`` = the roofline's
-  step time ÷ the measured one. Target (issue 18): ≥ 0.7 at N = 64 with CUDA graphs.
+  step time ÷ the measured one. Target: ≥ 0.7 at N = 64 with CUDA graphs.
 
 Usage: ``python -m bench.engine_bench [--out PATH] [--model llama-3-8b] [--steps 48]``; ``--dry-run`` imports
 everything, checks the arguments and writes ``{"skipped": ...}`` without touching a GPU. JSON to PATH (default

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     server = start_server(port, log_path, args.backend, args.model)
     proc = server.process
-    report: dict[str, Any] = {"backend": args.backend, "model": args.model or "config.toml",
+    report: dict[str, Any] = {"backend": args.backend, "synthetic": args.model or "no (config.toml)",
                               "prompt": f"{PROMPT_TOKENS} token ids" if args.model else "chat",
                               "attention_backend": "auto (cupy on CUDA when CuPy imports)"}
     status = 0

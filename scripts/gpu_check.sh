@@ -90,7 +90,8 @@ if [ -n "$MISSING" ]; then
   MISSING=$(missing_dists)
 fi
 CUDA_MODULE_MISSING=$("$PY" -c 'import importlib.util; print("" if importlib.util.find_spec("cupy") else "cupy")')
-log "python: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1))"
+VERSIONS='import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+log "python: $PY ($("$PY" -c "$VERSIONS" 2>&1))"
 
 FAILED=0
 STAGES=()
@@ -124,7 +125,8 @@ fi
 GPU_TESTS=(tests/gpu tests/worker/test_cupy_paged.py tests/worker/test_partitioned_attention.py
            tests/worker/test_cuda_graphs.py tests/worker/test_quant_cuda.py)
 if [ "$DRY_RUN" = 1 ]; then
-  run_stage imports 60 "$PY" -c 'import gateway.app, worker.__main__, worker.cuda_graphs, worker.quant_cuda, worker.synthetic, sluice.cli'
+  MODULES='gateway.app, worker.__main__, worker.cuda_graphs, worker.quant_cuda, worker.synthetic, sluice.cli'
+  run_stage imports 60 "$PY" -c "import $MODULES"
   run_stage kernel_tests 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${GPU_TESTS[@]}"
   run_stage kernel_bench 30 "$PY" -m bench.kernel_bench --dry-run --out "$RESULTS_DIR/kernel_bench.json"
   run_stage engine_bench 30 "$PY" -m bench.engine_bench --dry-run --out "$RESULTS_DIR/engine_bench.json"

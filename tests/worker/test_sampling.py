@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
-from worker.sampling import Sampler, uniform_for
+from worker.sampling import Sampler, uniform_for, uniforms_for
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -85,3 +85,9 @@ def test_mismatched_lengths_and_negative_temperature_raise():
         Sampler().sample(_logits(2), [GREEDY], [0, 1], [0, 0])
     with pytest.raises(ValueError):
         Sampler().sample(_logits(1), [SamplingParams(temperature=-1.0)], [0], [0])
+
+
+def test_the_vectorised_draws_equal_the_scalar_draws_bit_for_bit():
+    seeds = [0, 1, -5, 2**63 - 1, 2**64 - 1, 2**70 + 3, 123456789]
+    positions = [0, 1, 7, 2**40, 5, 99, 2**64 + 1]
+    assert uniforms_for(seeds, positions) == [uniform_for(s, p) for s, p in zip(seeds, positions)]

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 
-.PHONY: install install-test run test bench cases loadtest redis chromium clean gpu-check peers
+.PHONY: install install-test run test bench cases loadtest redis chromium clean gpu-check gpu-dry-run-env peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,12 @@ chromium:
 	@if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; fi
 
-test: install-test redis chromium
+# The GPU check's dry run (tests/scripts/test_gpu_check.py) needs its throwaway venv (torch's CPU build and the
+# packages the lent GPU machine has, cached under var/gpu-dry-run/) and the carried wheels in .whl/.
+gpu-dry-run-env:
+	bash scripts/gpu_check.sh --prepare-dry-run
+
+test: install-test redis chromium gpu-dry-run-env
 	$(PY) -m pytest -q -ra
 
 bench: install-test
@@ -68,6 +73,8 @@ cases: install
 loadtest: install-test
 	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000
 
+# On a lent GPU machine: scripts/gpu_check.sh (JSON to $OUT or bench/results/gpu/); .whl/ from
+# scripts/fetch_gpu_wheels.sh carries what its python3 lacks.
 gpu-check:
 	bash scripts/gpu_check.sh
 

@@ -1,10 +1,11 @@
-"""End-to-end decode tokens/s on a GPU: ``sluice serve`` with a CUDA worker, streamed through the OpenAI API.
+"""End-to-end decode tokens/s and TTFT on a GPU: ``sluice serve`` with a CUDA worker, streamed through HTTP.
 
-Starts ``python -m sluice.cli serve`` (the default model, ``SLUICE_WORKER__BACKEND=cuda``, attention backend
-``auto`` → the CuPy kernel, admission off so that nothing is shed), waits for ``/readyz``, warms up with one short
-request, then streams chat completions from 1 and from 64 concurrent clients over ``/v1/chat/completions``
-(``stream: true``, ``ignore_eos: true`` so every stream decodes ``max_tokens`` tokens). For each concurrency it
-reports:
+Starts ``python -m sluice.cli serve`` with a CUDA worker (the synthetic Llama-3-8B of ``model.synthetic`` by
+default: random weights of the real shape, no download; attention backend ``auto`` → the CuPy kernel; CUDA graphs
+on; admission off so that nothing is shed), waits for ``/readyz``, warms up, then streams completions from 1 and
+from 64 concurrent clients. A synthetic model is sent token-id prompts through ``/v1/completions`` (its tokenizer
+maps token ``i`` to the word ``<i>``); a real model (``--model ""``) is sent a chat prompt through
+``/v1/chat/completions``. Every stream decodes ``max_tokens`` tokens (``ignore_eos``). For each concurrency:
 
 - ``decode_tokens_per_s``: completion tokens after each stream's first ÷ (last token time − first token time,
   over all streams): the decode rate of the whole server;
@@ -12,8 +13,9 @@ reports:
 - ``end_to_end_tokens_per_s``: all completion tokens ÷ wall time from the first request to the last token;
 - TTFT percentiles in ms.
 
-Usage: ``python bench/gpu_e2e.py [--out PATH] [--max-tokens N]``; JSON to PATH (default ``$OUT/gpu_e2e.json``,
-else ``bench/results/gpu_e2e.json``) and stdout. Exit 0 on success, 1 on a failed run.
+Usage: ``python bench/gpu_e2e.py [--out PATH] [--streams 1,64] [--max-tokens N] [--model llama-3-8b]``; JSON to
+PATH (default ``$OUT/gpu_e2e.json``, else ``bench/results/gpu_e2e.json``) and stdout. ``--dry-run`` imports the
+gateway and worker, checks the arguments and writes ``{"skipped": ...}``. Exit 0 on success, 1 on a failed run.
 """
 
 from __future__ import annotations
@@ -37,15 +39,18 @@ sys.path.insert(0, str(REPO_ROOT))
 from tests.support.server import SluiceProcess, free_port  # noqa: E402
 READY_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 240.0
+PROMPT_TOKENS = 128
 PROMPT = "Write a long, detailed story about a lighthouse keeper who discovers a hidden library under the sea."
 
 
-def start_server(port: int, log_path: Path, backend: str) -> SluiceProcess:
+def start_server(port: int, log_path: Path, backend: str, synthetic: str) -> SluiceProcess:
     """Start ``sluice serve`` (the repository's config.toml) on ``port``, logging to ``log_path``; do not wait."""
     env = {
         "SLUICE_WORKER__BACKEND": backend,
-        "SLUICE_WORKER__KV_CACHE_GIB": os.environ.get("SLUICE_WORKER__KV_CACHE_GIB", "4"),
+        "SLUICE_WORKER__KV_CACHE_GIB": os.environ.get("SLUICE_WORKER__KV_CACHE_GIB", "8"),
         "SLUICE_WORKER__MAX_NUM_SEQS": os.environ.get("SLUICE_WORKER__MAX_NUM_SEQS", "64"),
+        "SLUICE_WORKER__MAX_NUM_BATCHED_TOKENS": "4096",
+        "SLUICE_MODEL__SYNTHETIC": f'"{synthetic}"',
         "SLUICE_ADMISSION__ENABLED": "false",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "PYTHONUNBUFFERED": "1",
@@ -77,21 +82,34 @@ async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess
     raise TimeoutError(f"sluice serve not ready after {READY_TIMEOUT_S:.0f} s")
 
 
-async def stream_one(session: aiohttp.ClientSession, base: str, model: str, max_tokens: int) -> dict[str, Any]:
-    """Stream one chat completion; return token arrival times (s, monotonic) and the usage counts."""
-    body = {
+def token_prompt(index: int) -> list[int]:
+    """Return the token-id prompt of stream ``index``: PROMPT_TOKENS ids below 128000 (Llama 3's plain tokens),
+    different per stream so that no prefix is cached."""
+    return [(index * 7919 + t * 104729) % 128000 for t in range(PROMPT_TOKENS)]
+
+
+async def stream_one(session: aiohttp.ClientSession, base: str, model: str, max_tokens: int,
+                     index: int = 0, token_ids: bool = True) -> dict[str, Any]:
+    """Stream one completion (token ids to ``/v1/completions``, else a chat prompt to ``/v1/chat/completions``);
+    return token arrival times (s, monotonic) and the usage counts."""
+    body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if token_ids:
+        body["prompt"] = token_prompt(index)
+        path = "/v1/completions"
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+        path = "/v1/chat/completions"
     sent = time.monotonic()
     token_times: list[float] = []
     usage: dict[str, Any] = {}
-    async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+    async with session.post(f"{base}{path}", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
         async for raw in resp.content:
@@ -105,17 +123,18 @@ async def stream_one(session: aiohttp.ClientSession, base: str, model: str, max_
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
+                if choice.get("text") or choice.get("delta", {}).get("content"):
                     token_times.append(time.monotonic())
     return {"sent": sent, "token_times": token_times, "usage": usage}
 
 
 async def run_concurrency(
-    session: aiohttp.ClientSession, base: str, model: str, streams: int, max_tokens: int
+    session: aiohttp.ClientSession, base: str, model: str, streams: int, max_tokens: int, token_ids: bool
 ) -> dict[str, Any]:
     """Run ``streams`` concurrent streams and summarise their decode rates."""
     started = time.monotonic()
-    results = await asyncio.gather(*(stream_one(session, base, model, max_tokens) for _ in range(streams)))
+    results = await asyncio.gather(*(stream_one(session, base, model, max_tokens, streams * 1000 + i, token_ids)
+                                     for i in range(streams)))
     completion_tokens = [r["usage"].get("completion_tokens", len(r["token_times"])) for r in results]
     firsts = [r["token_times"][0] for r in results if r["token_times"]]
     lasts = [r["token_times"][-1] for r in results if r["token_times"]]
@@ -140,15 +159,17 @@ async def run_concurrency(
     }
 
 
-async def bench(port: int, max_tokens: int, concurrencies: list[int], proc: subprocess.Popen) -> dict[str, Any]:
+async def bench(port: int, max_tokens: int, concurrencies: list[int], proc: subprocess.Popen,
+                token_ids: bool) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = await wait_ready(session, base, proc)
-        await stream_one(session, base, model, 8)  # warm-up: CUDA init, CuPy/NVRTC compile
-        await run_concurrency(session, base, model, 8, 16)
-        runs = [await run_concurrency(session, base, model, streams, max_tokens) for streams in concurrencies]
+        await stream_one(session, base, model, 8, 0, token_ids)  # warm-up: CUDA init, first steps
+        await run_concurrency(session, base, model, 8, 16, token_ids)
+        runs = [await run_concurrency(session, base, model, streams, max_tokens, token_ids)
+                for streams in concurrencies]
     return {"model": model, "runs": runs}
 
 
@@ -164,18 +185,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,64", help="comma-separated concurrencies to measure")
     parser.add_argument("--backend", default="cuda", help="worker backend (cuda; cpu only to smoke-test this script)")
     parser.add_argument("--log", type=Path, default=None, help="server log (default: beside the JSON)")
+    parser.add_argument("--model", default="llama-3-8b",
+                        help='model.synthetic of the served model; "" serves config.toml\'s model with chat prompts')
+    parser.add_argument("--dry-run", action="store_true", help="import and check, start nothing")
     args = parser.parse_args(argv)
     concurrencies = [int(n) for n in args.streams.split(",")]
     out_path = args.out or _default_out_path()
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        import gateway.app  # noqa: F401 - what the server imports
+        import worker.__main__  # noqa: F401
+        from shared.synthetic_models import synthetic_shape
+
+        if args.model:
+            synthetic_shape(args.model)
+        report = {"skipped": "no GPU (dry run)", "model": args.model, "streams": concurrencies}
+        out_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report))
+        return 0
     log_path = args.log or out_path.with_name("gpu_e2e_server.log")
     port = free_port()
-    server = start_server(port, log_path, args.backend)
+    server = start_server(port, log_path, args.backend, args.model)
     proc = server.process
-    report: dict[str, Any] = {"backend": args.backend, "attention_backend": "auto (cupy on CUDA when CuPy imports)"}
+    report: dict[str, Any] = {"backend": args.backend, "synthetic": args.model or "no (config.toml)",
+                              "prompt": f"{PROMPT_TOKENS} token ids" if args.model else "chat",
+                              "attention_backend": "auto (cupy on CUDA when CuPy imports)"}
     status = 0
     try:
-        report.update(asyncio.run(bench(port, args.max_tokens, concurrencies, proc)))
+        report.update(asyncio.run(bench(port, args.max_tokens, concurrencies, proc, bool(args.model))))
     except Exception as exc:  # noqa: BLE001 - the report says what failed; the exit code says that it did
         report["error"] = f"{type(exc).__name__}: {exc}"
         status = 1

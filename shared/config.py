@@ -47,8 +47,14 @@ class ModelConfig(_Section):
         weights: how the CPU worker holds the weights (``worker/quant.py``): ``auto`` follows a GGUF file's type
             (Q4_* -> ``int4``; Q5_*, Q6_K, Q8_0 -> ``int8``; F16/F32 -> ``float32``) and a folder's ``dtype``
             (``float32`` when ``auto``); ``float32`` / ``bfloat16`` dense; ``int8`` / ``int4`` weight-only
-            quantized decode matmuls with bf16 activations. A GPU runs dense weights in ``dtype``.
+            quantized decode matmuls with bf16 activations. A GPU runs dense weights in ``dtype``, or ``int8`` /
+            ``int4`` quantized at load through torch's CUDA kernels (``worker/quant_cuda.py``; int4 needs compute
+            capability 8.0+, else the worker stops with an error naming this key).
         max_model_len_tokens: context length in tokens (prompt + output).
+        synthetic: serve random weights of a real model's shape instead of ``path`` (``shared/synthetic_models.py``):
+            ``llama-3-8b``, ``llama-3-1b``, or ``llama-3-tiny`` (a 2-layer shape for tests); "" = off. Same
+            forward pass, KV pool and kernel as a checkpoint; the gateway's tokenizer maps token ``i`` to the word
+            ``<i>`` (send token-id prompts to ``/v1/completions``). For throughput measurements; answers mean nothing.
     """
 
     name: str = "SmolLM2-135M-Instruct"
@@ -56,6 +62,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     weights: Literal["auto", "float32", "bfloat16", "int8", "int4"] = "auto"
     max_model_len_tokens: PositiveInt = 8192
+    synthetic: Literal["", "llama-3-8b", "llama-3-1b", "llama-3-tiny"] = ""
 
 
 class GatewayConfig(_Section):
@@ -138,6 +145,10 @@ class WorkerConfig(_Section):
         secret_file: a file holding the secret (surrounding whitespace stripped); "" = use ``secret``.
         allow_insecure: let a worker listen on a non-loopback address without a secret (anyone who reaches the
             port can generate, abort and drain); ``sluice worker --insecure-no-secret`` sets it.
+        cuda_graphs: on CUDA with the ``cupy`` attention backend, replay decode steps from CUDA graphs captured at
+            start for batch-size buckets 1, 2, 4, 8, 16, then every 16 up to ``max_num_seqs``
+            (``worker/cuda_graphs.py``); prefill and mixed steps run eagerly. A failed capture is logged and the
+            worker runs eagerly. Ignored on the CPU.
     """
 
     num_local_workers: NonNegativeInt = 1
@@ -153,6 +164,7 @@ class WorkerConfig(_Section):
     secret: str = ""
     secret_file: str = ""
     allow_insecure: bool = False
+    cuda_graphs: bool = True
 
 
 class RetentionSettings(_Section):

@@ -260,3 +260,23 @@ def save_weights(model: Any, folder: str) -> bool:
         model.generation_config.save_pretrained(tmp)
 
     return _write_entry(folder, write, "gguf_weights_cached")
+
+
+def synthetic_tokenizer(vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """Return a ``transformers`` fast tokenizer for a synthetic model (``shared.synthetic_models``).
+
+    Token ``i`` is the word ``<i>`` (a word-level vocabulary of ``vocab_size`` entries, split at whitespace), so
+    any token id decodes to text and that text encodes back to the same ids; the chat template joins the messages'
+    contents. The first of ``eos_token_ids`` is the EOS token.
+    """
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    rust = RustTokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    rust.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    rust.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with one space
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=f"<{eos_token_ids[0]}>", unk_token="<0>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer

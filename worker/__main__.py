@@ -72,6 +72,31 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def capture_decode_graphs(model, kv_cache, wc, max_model_len_tokens: int, pad_block_id: int):
+    """Capture the decode CUDA graphs (``worker.cuda_graphs``); log their capture time and memory.
+
+    Returns:
+        The :class:`worker.cuda_graphs.DecodeGraphs`, or None (eager decode) when the attention backend is not
+        ``cupy`` (the torch backend's decode shapes follow the contexts) or capture failed (logged).
+    """
+    from worker.cuda_graphs import DecodeGraphs
+
+    attention_name = getattr(model.attention, "name", "")
+    if attention_name != "cupy":
+        log.warning("cuda_graphs_off", reason=f"attention backend {attention_name!r}: graphs need 'cupy'")
+        return None
+    max_model_len = min(max_model_len_tokens, model.spec.max_position_embeddings)
+    graphs = DecodeGraphs(model, kv_cache, wc.block_size_tokens, wc.max_num_seqs, max_model_len, pad_block_id)
+    try:
+        report = graphs.capture()
+    except Exception as exc:  # noqa: BLE001 - a failed capture costs speed, not correctness: run eagerly
+        log.exception("cuda_graphs_capture_failed", error=str(exc))
+        return None
+    log.info("cuda_graphs_captured", buckets=list(report.sizes), capture_s=round(report.capture_s, 2),
+             memory_mib=round(report.memory_bytes / 2**20, 1))
+    return graphs
+
+
 def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
     """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`.
 
@@ -108,12 +133,25 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         dtype_name = config.model.dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-        weights_mode = config.model.weights if device.type == "cpu" else ""
+        weights_mode = config.model.weights
+        if device.type == "cuda" and weights_mode not in ("int4", "int8"):
+            weights_mode = ""  # a GPU runs dense weights in dtype unless asked for int4 / int8
         if weights_mode == "auto" and config.model.dtype != "auto":
             weights_mode = ""  # an explicit dtype keeps a folder (or a GGUF file) dense in that dtype
         load_start_s = time.perf_counter()
-        model = load_model(resolve_model_path(config.model), getattr(torch, dtype_name), device,
-                           attention_backend=wc.attention_backend, weights_mode=weights_mode)
+        try:
+            if config.model.synthetic:
+                from worker.synthetic import build_synthetic_model, synthetic_spec
+
+                mode = weights_mode if weights_mode not in ("", "auto") else dtype_name
+                model = build_synthetic_model(synthetic_spec(config.model.synthetic), mode, device,
+                                              attention_backend=wc.attention_backend)
+            else:
+                model = load_model(resolve_model_path(config.model), getattr(torch, dtype_name), device,
+                                   attention_backend=wc.attention_backend, weights_mode=weights_mode)
+        except ValueError as exc:
+            raise ConfigError(f"model (weights = {config.model.weights!r}, synthetic = "
+                              f"{config.model.synthetic!r}): {exc}") from exc
         log.info("model_loaded", weights=model.weights_mode, dtype=str(model.dtype),
                  threads=torch.get_num_threads(), load_s=round(time.perf_counter() - load_start_s, 3))
         dtype = model.dtype
@@ -123,8 +161,13 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         num_blocks = int(wc.kv_cache_gib * GIB // bytes_per_block)
         if num_blocks < 2:
             raise ConfigError(f"worker.kv_cache_gib = {wc.kv_cache_gib} holds fewer than 2 KV blocks")
-        kv_cache = model.allocate_kv_cache(num_blocks, wc.block_size_tokens)
-        runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device)
+        use_graphs = device.type == "cuda" and wc.cuda_graphs
+        # with CUDA graphs, one spare block (id num_blocks) takes the padding rows' K/V writes
+        kv_cache = model.allocate_kv_cache(num_blocks + int(use_graphs), wc.block_size_tokens)
+        decode_graphs = None
+        if use_graphs:
+            decode_graphs = capture_decode_graphs(model, kv_cache, wc, config.model.max_model_len_tokens, num_blocks)
+        runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device, decode_graphs)
         offload = build_offload_chain(config.kv, runner.block_io, config.model.name, dtype_name)
         atexit.register(offload.close)  # the disk tier's folder
         device_name = str(device)
@@ -212,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("worker_insecure_no_secret", listen=args.listen,
                     note="anyone who reaches this port can generate, abort and drain")
     worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    server = build_worker(config, worker_id, secret)
+    try:
+        server = build_worker(config, worker_id, secret)
+    except ConfigError as exc:
+        print(f"sluice worker: {exc}", file=sys.stderr)
+        return 2
     async def run() -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

@@ -84,7 +84,11 @@ def activation_dtype(weights_mode: str, device: torch.device) -> torch.dtype:
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weights_mode: str) -> Linear:
     """Build a :class:`Linear` of ``weights_mode`` from float weights ``[out, in]`` (int4: min/max groups of 32;
-    int8: symmetric per channel)."""
+    int8: symmetric per channel); a CUDA weight gets the CUDA layers of :mod:`worker.quant_cuda`."""
+    if weights_mode in ("int4", "int8") and weight.is_cuda:
+        from worker.quant_cuda import make_cuda_linear
+
+        return make_cuda_linear(weight, bias, weights_mode)
     if weights_mode == "int4":
         q, scale, zero = quantize_int4_groups(weight)
         return Int4Linear.from_codes(q, scale, zero, bias)
@@ -580,7 +584,8 @@ def load_model(
         attention_backend: ``auto``, ``torch`` or ``cupy``.
         weights_mode: ``model.weights`` (see :data:`WEIGHTS_MODES`); "" follows ``dtype``. On the CPU a GGUF file
             is read by :func:`load_gguf_model`; ``int4``/``int8`` of a folder quantize its weights at load.
-            On a GPU the weights are dense in ``dtype``.
+            On a GPU the weights are dense in ``dtype``, or ``int4``/``int8`` quantized at load
+            (:mod:`worker.quant_cuda`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -592,7 +597,7 @@ def load_model(
     mode = resolve_weights_mode(weights_mode, dtype)
     if device.type == "cpu" and str(path).endswith(".gguf"):
         return load_gguf_model(path, mode, attention_backend)
-    if device.type != "cpu" or mode == "auto":
+    if (device.type != "cpu" and mode not in ("int4", "int8")) or mode == "auto":
         mode = ""
     # transformers dequantizes GGUF weights to fp32; a folder loads straight in ``dtype``.
     load_dtype = torch.float32 if str(path).endswith(".gguf") or mode in ("int4", "int8") else dtype

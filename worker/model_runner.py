@@ -5,12 +5,14 @@ The one place where scheduler metadata (sequences, block ids) meets tensors.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
+from worker.cuda_graphs import DecodeGraphs
 from worker.sampling import Sampler, TokenLogprobs, token_logprobs
 from worker.scheduler import SchedulerOutput
 
@@ -45,31 +47,35 @@ class BatchBuilder:
         """
         scheduled = out.scheduled
         num_seqs = len(scheduled)
-        starts = np.empty(num_seqs, dtype=np.int64)
-        counts = np.empty(num_seqs, dtype=np.int64)
-        samples = np.empty(num_seqs, dtype=bool)
-        max_blocks = max(len(item.block_ids) for item in scheduled)
-        if self._tables.shape[0] < num_seqs or self._tables.shape[1] < max_blocks:
-            self._tables = np.zeros((max(num_seqs, self._tables.shape[0]), max(max_blocks, self._tables.shape[1])),
-                                    dtype=np.int64)
-        tables = self._tables[:num_seqs, :max_blocks]
-        tables.fill(0)
+        starts_list: list[int] = []
+        counts_list: list[int] = []
+        samples_list: list[bool] = []
+        tables_list: list[list[int]] = []
         input_ids: list[int] = []
-        for s, item in enumerate(scheduled):
+        for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             n = item.num_new_tokens
-            starts[s], counts[s], samples[s] = start, n, item.sample
-            num_prompt = len(seq.prompt_token_ids)
+            starts_list.append(start)
+            counts_list.append(n)
+            samples_list.append(item.sample)
+            tables_list.append(item.block_ids)
+            prompt = seq.prompt_token_ids
+            num_prompt = len(prompt)
             if start >= num_prompt:
-                input_ids.extend(seq.output_token_ids[start - num_prompt : start - num_prompt + n])
+                if n == 1:
+                    input_ids.append(seq.output_token_ids[start - num_prompt])
+                else:
+                    input_ids.extend(seq.output_token_ids[start - num_prompt : start - num_prompt + n])
             elif start + n <= num_prompt:
-                input_ids.extend(seq.prompt_token_ids[start : start + n])
+                input_ids.extend(prompt[start : start + n])
             else:
-                input_ids.extend(seq.prompt_token_ids[start:])
+                input_ids.extend(prompt[start:])
                 input_ids.extend(seq.output_token_ids[: start + n - num_prompt])
-            ids = item.block_ids
-            tables[s, : len(ids)] = ids
+        starts = np.array(starts_list, dtype=np.int64)
+        counts = np.array(counts_list, dtype=np.int64)
+        samples = np.array(samples_list, dtype=bool)
+        tables = self._fill_tables(tables_list)
         ends = starts + counts
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
@@ -100,6 +106,23 @@ class BatchBuilder:
             max_seq_len=max(seq_lens),
             is_decode_only=num_tokens == num_seqs,
         )
+
+
+    def _fill_tables(self, tables_list: list[list[int]]) -> np.ndarray:
+        """Return the block tables ``[num_seqs, max_blocks]`` int64 (a view of the reused buffer), 0-padded."""
+        num_seqs = len(tables_list)
+        lengths = np.fromiter(map(len, tables_list), dtype=np.int64, count=num_seqs)
+        max_blocks = int(lengths.max())
+        if self._tables.shape[0] < num_seqs or self._tables.shape[1] < max_blocks:
+            self._tables = np.zeros((max(num_seqs, self._tables.shape[0]), max(max_blocks, self._tables.shape[1])),
+                                    dtype=np.int64)
+        tables = self._tables[:num_seqs, :max_blocks]
+        tables.fill(0)
+        flat = np.fromiter(itertools.chain.from_iterable(tables_list), dtype=np.int64, count=int(lengths.sum()))
+        row_starts = np.cumsum(lengths) - lengths
+        rows = np.repeat(np.arange(num_seqs), lengths)
+        tables[rows, np.arange(flat.shape[0]) - np.repeat(row_starts, lengths)] = flat
+        return tables
 
 
 def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
@@ -170,13 +193,17 @@ class ModelRunner:
         kv_cache: ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` on the model's device.
         block_size: tokens per KV block.
         device: the model's device.
+        decode_graphs: when set, decode-only steps run through it (:class:`worker.cuda_graphs.DecodeGraphs`: CUDA
+            graphs per batch-size bucket); other steps run the model eagerly.
     """
 
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.decode_graphs = decode_graphs
         self.sampler = Sampler()
         self.block_io = KVBlockIO(kv_cache)
         self.batch_builder = BatchBuilder(block_size, device)
@@ -202,7 +229,9 @@ class ModelRunner:
                 self.model.forward(batch, self.kv_cache, should_stop)
             return {}
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.kv_cache, should_stop)
+            logits = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
+            if logits is None:
+                logits = self.model.forward(batch, self.kv_cache, should_stop)
         token_ids = self.sampler.sample(
             logits,
             [item.seq.sampling for item in sampling],

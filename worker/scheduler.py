@@ -240,10 +240,11 @@ class Scheduler:
         step = _Step(budget_tokens=self.max_num_batched_tokens)
         order = sorted(self.running, key=self._queue_key)
         self._schedule_running(step, order, decode=True)
+        prefilling = [s for s in order if s.request_id not in step.scheduled]  # mid-prefill, or preempted
         admitting = True
         for tier_priority in sorted({s.tier_priority for s in order} | {s.tier_priority for s in self.waiting},
                                     reverse=True):
-            self._schedule_running(step, [s for s in order if s.tier_priority == tier_priority], decode=False)
+            self._schedule_running(step, [s for s in prefilling if s.tier_priority == tier_priority], decode=False)
             if admitting and not step.preempted:
                 admitting = self._admit_waiting(step, tier_priority)
         self._scheduled_last_step = set(step.scheduled)
@@ -262,15 +263,19 @@ class Scheduler:
         Raises:
             ValueError: a sequence that had to sample has no token in ``sampled``.
         """
-        live = [item for item in out.scheduled if self._requests.get(item.seq.request_id) is item.seq]
+        requests = self._requests
+        live = [item for item in out.scheduled if requests.get(item.seq.request_id) is item.seq]
         missing = [item.seq.request_id for item in live if item.sample and item.seq.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for {missing}")
         events, self._pending_events = self._pending_events, []
+        block_size = self.kv.block_size
         for item in live:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(seq)
+            # one decode token fills a block only at a block boundary; every earlier full block is cached already
+            if item.num_new_tokens > 1 or seq.num_computed_tokens % block_size == 0:
+                self.kv.cache_blocks(seq)
             if item.sample:
                 events.append(self._append_token(seq, sampled[seq.request_id]))
         return events
@@ -353,18 +358,18 @@ class Scheduler:
     # ------------------------------------------------------------------ finishing
 
     def _append_token(self, seq: Sequence, token_id: int) -> SeqEvent:
-        seq.output_token_ids.append(token_id)
-        reason = self._finish_reason(seq, token_id)
+        output = seq.output_token_ids
+        output.append(token_id)
+        num_output = len(output)
+        reason = None
+        if not seq.ignore_eos and token_id in seq.stop_token_ids:
+            reason = FINISH_STOP
+        elif num_output >= seq.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len_tokens:
+            reason = FINISH_LENGTH
         if reason is not None:
             self._release(seq)
-        return self._event(seq, [token_id], reason)
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.ignore_eos and token_id in seq.stop_token_ids:
-            return FINISH_STOP
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len_tokens:
-            return FINISH_LENGTH
-        return None
+        return SeqEvent(seq.request_id, [token_id], reason, len(seq.prompt_token_ids), seq.num_cached_tokens,
+                        num_output)
 
     def _refusal(self, seq: Sequence) -> str | None:
         num_prompt = seq.num_prompt_tokens

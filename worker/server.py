@@ -302,9 +302,9 @@ class WorkerServer:
                 else:
                     conn.send(TokenDelta(request_id, event.new_token_ids, [found.logprob], latency_ms,
                                          [found.top_token_ids], [found.top_logprobs]))
-            error = getattr(event, "error", None)
+            error = event.error
             if error:
-                code = getattr(event, "error_code", None) or ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
+                code = event.error_code or ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
                 conn.send(Failed(request_id, code, error))
                 self._forget(event.request_id)
                 changed = True

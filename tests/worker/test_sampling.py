@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.protocol import SamplingParams
-from worker.sampling import Sampler, token_logprobs, uniform_for
+from worker.sampling import Sampler, token_logprobs, uniform_for, uniforms_for
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -102,3 +102,9 @@ def test_logprobs_are_the_raw_log_softmax_whatever_the_temperature():
     assert found[0].logprob == pytest.approx(expected[0].max().item())  # greedy: the most likely token
     with pytest.raises(ValueError):
         token_logprobs(logits, tokens, [0, 0, 21])
+
+
+def test_the_vectorised_draws_equal_the_scalar_draws_bit_for_bit():
+    seeds = [0, 1, -5, 2**63 - 1, 2**64 - 1, 2**70 + 3, 123456789]
+    positions = [0, 1, 7, 2**40, 5, 99, 2**64 + 1]
+    assert uniforms_for(seeds, positions) == [uniform_for(s, p) for s, p in zip(seeds, positions)]

@@ -245,6 +245,8 @@ class KVCacheManager:
         """
         table = self._req_to_blocks.get(seq.request_id, [])
         num_tokens = seq.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        if not new_computed_blocks and table and len(table) * self.block_size >= num_tokens:
+            return []  # the table already holds them: most decode steps
         num_needed = max(0, self.num_blocks_for(num_tokens) - len(table) - len(new_computed_blocks))
         num_hits_evictable = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
         if num_needed + num_hits_evictable > self.pool.num_free_blocks:

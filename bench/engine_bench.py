@@ -1,0 +1,165 @@
+"""Decode tokens/s of the real engine on a synthetic Llama-3-8B (GPU), CUDA graphs on and off, against its roofline.
+
+The worker's own parts: :func:`worker.synthetic.build_synthetic_model` (bf16 random weights, the real shapes), the
+CuPy attention backend, the KV pool, :class:`worker.scheduler.Scheduler`, :class:`worker.engine.Engine` and
+:class:`worker.model_runner.ModelRunner` with or without :class:`worker.cuda_graphs.DecodeGraphs`. For each number
+of running sequences N in {1, 64, 256}: N prompts of ``--prompt-tokens`` random token ids are prefilled, then
+``--steps`` decode steps are timed (each step ends with the sampled tokens on the host, so a step's wall time is
+its real time). Per point:
+
+- ``decode_tokens_per_s``: N × steps ÷ wall time;
+- roofline: a decode step must read every weight once (embedding rows aside) and the K/V of every sequence's
+  context; ``roofline_step_ms`` = (weight bytes + KV bytes of the mean context) ÷ the device-to-device copy
+  bandwidth measured in the same run (bytes read + written ÷ time), and ``fraction_of_roofline`` = the roofline's
+  step time ÷ the measured one. Target: ≥ 0.7 at N = 64 with CUDA graphs.
+
+Usage: ``python -m bench.engine_bench [--out PATH] [--model llama-3-8b] [--steps 48]``; ``--dry-run`` imports
+everything, checks the arguments and writes ``{"skipped": ...}`` without touching a GPU. JSON to PATH (default
+``$OUT/engine_bench.json``, else ``bench/results/engine_bench.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from shared.protocol import Generate, SamplingParams  # noqa: E402
+from shared.synthetic_models import num_parameters  # noqa: E402
+from worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.kv_cache.manager import KVCacheManager  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
+from worker.scheduler import Scheduler  # noqa: E402
+from worker.synthetic import build_synthetic_model, synthetic_spec  # noqa: E402
+
+NUM_SEQS = (1, 64, 256)
+BLOCK_SIZE = 16
+MAX_BATCHED_TOKENS = 8192
+TARGET_FRACTION_AT_64 = 0.7
+COPY_BYTES = 2 << 30
+
+
+def measure_copy_gb_s() -> float:
+    """Device-to-device copy bandwidth, GB/s counting bytes read + written (median of 10 after 3 warm-ups)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * COPY_BYTES / sorted(times)[len(times) // 2] / 1e9
+
+
+def decode_run(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prompt_tokens: int, steps: int,
+               num_blocks: int) -> dict[str, Any]:
+    """Prefill ``num_seqs`` prompts, then time ``steps`` decode steps; return the measured rates."""
+    runner = ModelRunner(model, kv_cache, BLOCK_SIZE, kv_cache.device, graphs)
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+    engine = Engine(Scheduler(kv, max(num_seqs, 1), MAX_BATCHED_TOKENS, 1 << 17), runner, [])
+    vocab = model.spec.vocab_size
+    gen = torch.Generator().manual_seed(num_seqs)
+    for i in range(num_seqs):
+        prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+        engine.add(f"r{i}", Generate(f"r{i}", prompt, SamplingParams(temperature=0.0), steps + 8, ignore_eos=True))
+    prefill_start = time.perf_counter()
+    while len(engine.scheduler.running) < num_seqs or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    prefill_s = time.perf_counter() - prefill_start
+    for _ in range(3):  # warm: the first decode steps of this size
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall_s = time.perf_counter() - start
+    mean_context = prompt_tokens + 3 + steps / 2
+    return {"num_seqs": num_seqs, "steps": steps, "wall_s": wall_s, "prefill_s": prefill_s,
+            "step_ms": wall_s / steps * 1e3, "decode_tokens_per_s": num_seqs * steps / wall_s,
+            "mean_context_tokens": mean_context}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--num-seqs", default=",".join(map(str, NUM_SEQS)))
+    parser.add_argument("--dry-run", action="store_true", help="import and check, touch no GPU")
+    args = parser.parse_args(argv)
+    out_path = args.out or (Path(os.environ["OUT"]) / "engine_bench.json" if os.environ.get("OUT")
+                            else REPO_ROOT / "bench" / "results" / "engine_bench.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    spec = synthetic_spec(args.model)
+    sizes = [int(n) for n in args.num_seqs.split(",")]
+    if args.dry_run or not torch.cuda.is_available():
+        import worker.attention.cupy_paged  # noqa: F401 - the import a GPU run needs
+
+        report: dict[str, Any] = {"skipped": "no GPU" + (" (dry run)" if args.dry_run else ""),
+                                  "model": args.model, "num_seqs": sizes}
+        out_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report))
+        return 0 if args.dry_run else 2
+    started = time.perf_counter()
+    copy_gb_s = measure_copy_gb_s()
+    build_start = time.perf_counter()
+    model = build_synthetic_model(spec, "bfloat16", "cuda", attention_backend="cupy")
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - build_start
+    blocks_per_seq = -(-(args.prompt_tokens + args.steps + 16) // BLOCK_SIZE)
+    num_blocks = max(sizes) * blocks_per_seq + 8
+    kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)  # + the pad block of the graphs
+    max_model_len = blocks_per_seq * BLOCK_SIZE
+    graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max(sizes), max_model_len, pad_block_id=num_blocks)
+    capture = graphs.capture()
+    weight_bytes = (num_parameters(args.model) - spec.vocab_size * spec.hidden_size
+                    * (0 if spec.tie_word_embeddings else 1)) * 2
+    kv_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+    runs = []
+    for use_graphs in (True, False):
+        for n in sizes:
+            run = decode_run(model, kv_cache, graphs if use_graphs else None, n, args.prompt_tokens, args.steps,
+                             num_blocks)
+            roofline_ms = (weight_bytes + n * run["mean_context_tokens"] * kv_bytes_per_token) / (copy_gb_s * 1e9) * 1e3
+            run.update(cuda_graphs=use_graphs, roofline_step_ms=roofline_ms,
+                       roofline_tokens_per_s=n / roofline_ms * 1e3, fraction_of_roofline=roofline_ms / run["step_ms"])
+            print(json.dumps(run), file=sys.stderr, flush=True)
+            runs.append(run)
+    at_64 = [r for r in runs if r["cuda_graphs"] and r["num_seqs"] == 64]
+    report = {
+        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "weights": "bfloat16 (random, real shapes)", "attention_backend": "cupy", "block_size": BLOCK_SIZE,
+        "prompt_tokens": args.prompt_tokens, "copy_gb_s": copy_gb_s, "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token, "model_build_s": build_s,
+        "cuda_graphs_capture": {"buckets": list(capture.sizes), "capture_s": capture.capture_s,
+                                "memory_mib": capture.memory_bytes / 2**20},
+        "roofline_definition": "(weight bytes + KV bytes of the mean context of every sequence) ÷ d2d copy GB/s",
+        "runs": runs,
+        "target": {"fraction_of_roofline_at_64_with_graphs": TARGET_FRACTION_AT_64,
+                   "value": at_64[0]["fraction_of_roofline"] if at_64 else None},
+        "wall_s": time.perf_counter() - started,
+    }
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

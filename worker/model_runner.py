@@ -46,6 +46,7 @@ class BatchBuilder:
         starts = np.empty(num_seqs, dtype=np.int64)
         counts = np.empty(num_seqs, dtype=np.int64)
         samples = np.empty(num_seqs, dtype=bool)
+        decode_seqs = [False] * num_seqs
         max_blocks = max(len(item.block_ids) for item in scheduled)
         if self._tables.shape[0] < num_seqs or self._tables.shape[1] < max_blocks:
             self._tables = np.zeros((max(num_seqs, self._tables.shape[0]), max(max_blocks, self._tables.shape[1])),
@@ -61,6 +62,7 @@ class BatchBuilder:
             num_prompt = len(seq.prompt_token_ids)
             if start >= num_prompt:
                 input_ids.extend(seq.output_token_ids[start - num_prompt : start - num_prompt + n])
+                decode_seqs[s] = n == 1
             elif start + n <= num_prompt:
                 input_ids.extend(seq.prompt_token_ids[start : start + n])
             else:
@@ -96,7 +98,8 @@ class BatchBuilder:
             context_lens=as_tensor(ends, torch.int32),
             logits_indices=as_tensor(logits_indices, torch.int64),
             max_seq_len=max(seq_lens),
-            is_decode_only=num_tokens == num_seqs,
+            is_decode_only=all(decode_seqs),
+            decode_seqs=decode_seqs,
         )
 
 

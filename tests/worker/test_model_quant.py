@@ -22,6 +22,7 @@ import torch
 
 from shared.protocol import Generate, SamplingParams
 from tests.worker.quant_helpers import perplexity, prefill_then_decode, reference_pairs
+from worker.batch import ForwardBatch
 from worker.model import load_model
 
 LOGITS_PROMPTS = [
@@ -155,3 +156,24 @@ def test_eight_concurrent_greedy_requests_equal_each_alone(gguf_path, tokenizer,
     together = _generate(model, prompts, 12)
     alone = [_generate(model, [p], 12)[0] for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_prompt_logits_and_kv_bit_identical_however_chunked_or_cached(gguf_path, mode):
+    """A prompt computed whole, in chunks of 1 to 64 tokens, or after a cached prefix (its last chunk alone) gives
+    bit-identical K/V and last-token logits: the same greedy or seeded answer with or without a prefix-cache hit."""
+    model = _model(gguf_path, mode)
+    generator = torch.Generator().manual_seed(0)
+    block_size = 16
+    for num_tokens, splits in ((66, [64]), (66, [65]), (100, [1, 48, 99]), (37, [5, 6, 7])):
+        ids = torch.randint(10, 40000, (num_tokens,), generator=generator).tolist()
+        table = list(range((num_tokens + block_size - 1) // block_size))
+        whole_kv = model.allocate_kv_cache(len(table), block_size)
+        whole = model.forward(ForwardBatch.build([ids], [0], [table], block_size, decode=[False]), whole_kv)
+        chunked_kv = model.allocate_kv_cache(len(table), block_size)
+        bounds = [0, *splits, num_tokens]
+        for start, end in zip(bounds, bounds[1:]):
+            chunk = ForwardBatch.build([ids[start:end]], [start], [table], block_size, decode=[False])
+            chunked = model.forward(chunk, chunked_kv)
+        assert torch.equal(whole, chunked), f"{num_tokens} tokens split at {splits}"
+        assert torch.equal(whole_kv, chunked_kv), f"{num_tokens} tokens split at {splits}"

@@ -10,7 +10,8 @@ every matmul input (the normed hidden state, the attention output, the MLP produ
 pool and every matmul output; the residual stream stays fp32. That is about ``n = 8`` roundings of relative size
 ``u`` per layer, ``n = 240`` over 30 layers. Independent roundings add up like a random walk, so the logits carry
 a relative error of about ``sqrt(n) u ~ 15.5 u`` of their scale; the bound is ``16 u max|logit|`` (1.07 for these
-prompts, whose largest logit is about 34-37; measured: 0.53 max).
+prompts, whose largest logit is about 34-37; measured: 0.53 max). On a CPU without bf16 hardware the activations are
+fp32 and only the decode matmuls' inputs and outputs round to bf16: fewer roundings, the same bound.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def test_int4_logits_within_bf16_rounding_bound_of_fp32_reference(reference, int
 
 
 def test_int4_perplexity_within_3_percent_of_fp32(reference, int4, tokenizer):
+    """Teacher-forced in one prefill per answer: prefill rows, which on a CPU without bf16 hardware read the fp32
+    dense copy (the reference's weights); the decode rows' int4 kernel is checked by the greedy test below."""
     pairs = reference_pairs(tokenizer, 20)
     assert len(pairs) == 20
     ppl_ref = perplexity(reference, pairs)

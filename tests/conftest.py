@@ -25,14 +25,12 @@ SERVER_START_TIMEOUT_S = 600.0
 HELPER_EXIT_TIMEOUT_S = 10.0
 KV_RELEASE_TIMEOUT_S = 15.0
 
-# weights = "float32": the end-to-end tests compare answers across requests (a seeded request streamed and not,
-# after the first one cached the prompt), which are equal token for token only in float32; in the bf16 and int4
-# modes a prompt whose prefix was cached is computed through other kernels than the same prompt uncached, and the
-# bf16 rounding differs. The quantized modes have their own tests (tests/worker/test_model_quant.py).
+# The default weights mode (auto: int4 for the default Q4_1 file): the end-to-end tests compare answers across
+# requests (a seeded request streamed and not, after the first one cached the prompt), which the quantized modes
+# give token for token (tests/worker/test_model_quant.py).
 TEST_CONFIG = """
 [model]
 max_model_len_tokens = 2048
-weights = "float32"
 
 [gateway]
 max_tokens_cap = 192

@@ -33,7 +33,10 @@ class ForwardBatch:
         logits_indices: ``[num_logits]`` int64, device — rows of the flattened tokens whose logits are wanted
             (the last token of each sequence that samples this step).
         max_seq_len: ``max(seq_lens)`` in tokens.
-        is_decode_only: every sequence has exactly one new token.
+        is_decode_only: every sequence is a decode step (``all(decode_seqs)``).
+        decode_seqs: ``num_seqs`` host bools — sequence ``s``'s chunk is one generated token (a decode step); a
+            one-token chunk of a prompt (the rest of a prompt whose prefix was cached) is a prefill chunk, so a
+            prompt token takes the same kernels whether or not its prefix was cached.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +49,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     max_seq_len: int
     is_decode_only: bool
+    decode_seqs: list[bool]
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +70,7 @@ class ForwardBatch:
         block_size: int,
         sample: list[bool] | None = None,
         device: torch.device | str = "cpu",
+        decode: list[bool] | None = None,
     ) -> ForwardBatch:
         """Build a batch from host lists, one entry per sequence.
 
@@ -76,6 +81,7 @@ class ForwardBatch:
             block_size: tokens per KV block.
             sample: whether each sequence wants logits for its last token (default: all do).
             device: where the tensors go.
+            decode: whether each chunk is a decode step (default: the one-token chunks are).
 
         Returns:
             The batch.
@@ -87,6 +93,9 @@ class ForwardBatch:
         if num_seqs == 0 or not (len(num_computed_tokens) == len(block_tables) == num_seqs):
             raise ValueError("chunks, num_computed_tokens and block_tables need one entry per sequence (>= 1)")
         sample = [True] * num_seqs if sample is None else sample
+        decode = [len(c) == 1 for c in chunks] if decode is None else decode
+        if any(d and len(c) != 1 for d, c in zip(decode, chunks)):
+            raise ValueError("a decode chunk has exactly one token")
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -116,5 +125,6 @@ class ForwardBatch:
             context_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             max_seq_len=max(seq_lens),
-            is_decode_only=all(len(c) == 1 for c in chunks),
+            is_decode_only=all(decode),
+            decode_seqs=list(decode),
         )

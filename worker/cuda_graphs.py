@@ -106,6 +106,7 @@ class DecodeGraphs:
             seq_lens=seq_lens if seq_lens is not None else [1] * num_rows,
             block_tables=self.block_tables[:num_rows], context_lens=self.context_lens[:num_rows],
             logits_indices=self.logits_indices[:num_rows], max_seq_len=self.max_model_len, is_decode_only=True,
+            decode_seqs=[True] * num_rows,
         )
 
     def load(self, batch: ForwardBatch) -> int | None:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from worker.attention import AttentionBackend, make_attention_backend
 from worker.batch import ForwardBatch
 from worker.engine import StepAbandoned
-from worker.quant import DenseLinear, Int4Linear, Int8Linear, Linear, RowSplit, quantize_int4_groups
+from worker.quant import (DenseLinear, Int4Linear, Int8Linear, Linear, RowSplit, cpu_activation_dtype,
+                          quantize_int4_groups)
 
 #: ``model.weights`` values; ``auto`` is resolved by :func:`resolve_weights_mode`
 WEIGHTS_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
@@ -78,7 +79,10 @@ class _LayerWeights:
 
 
 def activation_dtype(weights_mode: str, device: torch.device) -> torch.dtype:
-    """The activations' and KV pool's dtype of a weights mode: fp32 for ``float32``, else bf16."""
+    """The activations' and KV pool's dtype of a weights mode: fp32 for ``float32``, bf16 for ``bfloat16``; the
+    quantized modes follow the CPU (:func:`worker.quant.cpu_activation_dtype`: bf16 only with bf16 hardware)."""
+    if weights_mode in ("int4", "int8"):
+        return cpu_activation_dtype()
     return torch.float32 if weights_mode == "float32" else torch.bfloat16
 
 
@@ -206,8 +210,8 @@ class LlamaModel:
             device: target device.
             attention_backend: name for :func:`worker.attention.make_attention_backend`.
             eos_token_ids: overrides the config's EOS ids.
-            weights_mode: ``int4`` / ``int8`` quantize the projections on the CPU (activations bf16); "" or a
-                float mode keeps them dense in ``dtype``.
+            weights_mode: ``int4`` / ``int8`` quantize the projections on the CPU (activations in
+                :func:`activation_dtype`); "" or a float mode keeps them dense in ``dtype``.
 
         Raises:
             ValueError: an unsupported architecture, RoPE scaling, sliding-window attention or missing weights.
@@ -257,7 +261,7 @@ class LlamaModel:
 
         quantized = weights_mode in ("int4", "int8")
         if quantized:
-            dtype = torch.bfloat16
+            dtype = activation_dtype(weights_mode, device)
 
         def linear(*names: str, bias_names: list[str] | None = None) -> Linear:
             weight = cat(*names)
@@ -424,7 +428,7 @@ class LlamaModel:
         eps = spec.rms_norm_eps
         hidden = (spec.hidden_size,)
         x = self.embed[batch.input_ids].float()  # [num_tokens, hidden] fp32 residual stream
-        rows = (RowSplit.from_query_start_loc(batch.query_start_loc, self.device) if self._split_rows
+        rows = (RowSplit.from_decode_seqs(batch.query_start_loc, batch.decode_seqs, self.device) if self._split_rows
                 else RowSplit.prefill_only())
         for i, layer in enumerate(self.layers):
             if should_stop is not None and should_stop():
@@ -444,7 +448,7 @@ class LlamaModel:
         if batch.logits_indices.shape[0] != num_tokens:
             x = x.index_select(0, batch.logits_indices)
         h = F.rms_norm(x, hidden, self._final_norm_f32, eps).to(act)
-        return self.lm_head.forward(h, rows).float()
+        return self.lm_head.forward(h, RowSplit.prefill_only()).float()
 
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -555,7 +559,8 @@ def load_gguf_model(path: str, weights_mode: str, attention_backend: str = "torc
                     json.dump({"weights_mode": weights_mode}, f)
                 os.replace(alias + ".tmp", alias)
             built_auto.append(model)
-    key = f"{weights_mode}-torch{torch.__version__.split('+')[0]}-v1"
+    act = str(activation_dtype(weights_mode, torch.device("cpu"))).removeprefix("torch.")
+    key = f"{weights_mode}-{act}-torch{torch.__version__.split('+')[0]}-v2"
     folder = model_files.cached_entry(path, "weights", key, build, ["model.safetensors"])
     if built:
         return built[0]

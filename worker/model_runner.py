@@ -51,6 +51,7 @@ class BatchBuilder:
         counts_list: list[int] = []
         samples_list: list[bool] = []
         tables_list: list[list[int]] = []
+        decode_seqs: list[bool] = []  # per sequence: one generated token (a decode step)
         input_ids: list[int] = []
         for item in scheduled:
             seq = item.seq
@@ -67,11 +68,14 @@ class BatchBuilder:
                     input_ids.append(seq.output_token_ids[start - num_prompt])
                 else:
                     input_ids.extend(seq.output_token_ids[start - num_prompt : start - num_prompt + n])
+                decode_seqs.append(n == 1)
             elif start + n <= num_prompt:
                 input_ids.extend(prompt[start : start + n])
+                decode_seqs.append(False)
             else:
                 input_ids.extend(prompt[start:])
                 input_ids.extend(seq.output_token_ids[: start + n - num_prompt])
+                decode_seqs.append(False)
         starts = np.array(starts_list, dtype=np.int64)
         counts = np.array(counts_list, dtype=np.int64)
         samples = np.array(samples_list, dtype=bool)
@@ -104,9 +108,9 @@ class BatchBuilder:
             context_lens=as_tensor(ends, torch.int32),
             logits_indices=as_tensor(logits_indices, torch.int64),
             max_seq_len=max(seq_lens),
-            is_decode_only=num_tokens == num_seqs,
+            is_decode_only=all(decode_seqs),
+            decode_seqs=decode_seqs,
         )
-
 
     def _fill_tables(self, tables_list: list[list[int]]) -> np.ndarray:
         """Return the block tables ``[num_seqs, max_blocks]`` int64 (a view of the reused buffer), 0-padded."""

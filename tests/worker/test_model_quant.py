@@ -10,7 +10,8 @@ every matmul input (the normed hidden state, the attention output, the MLP produ
 pool and every matmul output; the residual stream stays fp32. That is about ``n = 8`` roundings of relative size
 ``u`` per layer, ``n = 240`` over 30 layers. Independent roundings add up like a random walk, so the logits carry
 a relative error of about ``sqrt(n) u ~ 15.5 u`` of their scale; the bound is ``16 u max|logit|`` (1.07 for these
-prompts, whose largest logit is about 34-37; measured: 0.53 max).
+prompts, whose largest logit is about 34-37; measured: 0.53 max). On a CPU without bf16 hardware the activations are
+fp32 and only the decode matmuls' inputs and outputs round to bf16: fewer roundings, the same bound.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from shared.protocol import Generate, SamplingParams
 from tests.worker.quant_helpers import perplexity, prefill_then_decode, reference_pairs
+from worker.batch import ForwardBatch
 from worker.model import load_model
 
 LOGITS_PROMPTS = [
@@ -103,6 +105,8 @@ def test_int4_logits_within_bf16_rounding_bound_of_fp32_reference(reference, int
 
 
 def test_int4_perplexity_within_3_percent_of_fp32(reference, int4, tokenizer):
+    """Teacher-forced in one prefill per answer: prefill rows, which on a CPU without bf16 hardware read the fp32
+    dense copy (the reference's weights); the decode rows' int4 kernel is checked by the greedy test below."""
     pairs = reference_pairs(tokenizer, 20)
     assert len(pairs) == 20
     ppl_ref = perplexity(reference, pairs)
@@ -155,3 +159,24 @@ def test_eight_concurrent_greedy_requests_equal_each_alone(gguf_path, tokenizer,
     together = _generate(model, prompts, 12)
     alone = [_generate(model, [p], 12)[0] for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_prompt_logits_and_kv_bit_identical_however_chunked_or_cached(gguf_path, mode):
+    """A prompt computed whole, in chunks of 1 to 64 tokens, or after a cached prefix (its last chunk alone) gives
+    bit-identical K/V and last-token logits: the same greedy or seeded answer with or without a prefix-cache hit."""
+    model = _model(gguf_path, mode)
+    generator = torch.Generator().manual_seed(0)
+    block_size = 16
+    for num_tokens, splits in ((66, [64]), (66, [65]), (100, [1, 48, 99]), (37, [5, 6, 7])):
+        ids = torch.randint(10, 40000, (num_tokens,), generator=generator).tolist()
+        table = list(range((num_tokens + block_size - 1) // block_size))
+        whole_kv = model.allocate_kv_cache(len(table), block_size)
+        whole = model.forward(ForwardBatch.build([ids], [0], [table], block_size, decode=[False]), whole_kv)
+        chunked_kv = model.allocate_kv_cache(len(table), block_size)
+        bounds = [0, *splits, num_tokens]
+        for start, end in zip(bounds, bounds[1:]):
+            chunk = ForwardBatch.build([ids[start:end]], [start], [table], block_size, decode=[False])
+            chunked = model.forward(chunk, chunked_kv)
+        assert torch.equal(whole, chunked), f"{num_tokens} tokens split at {splits}"
+        assert torch.equal(whole_kv, chunked_kv), f"{num_tokens} tokens split at {splits}"

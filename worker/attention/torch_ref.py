@@ -10,9 +10,10 @@ Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num
 
 Two paths:
 
-- decode-only batches (one new token per sequence): :func:`paged_decode_attention_ref` gathers the pages of all
-  sequences at once, padded to the longest context, and runs one masked softmax — the CPU decode hot path;
-- prefill chunks (and mixed batches): per sequence, gather its context and run
+- decode steps (one generated token per sequence, ``ForwardBatch.decode_seqs``): :func:`paged_decode_attention_ref`
+  gathers the pages of all sequences at once, padded to the longest context, and runs one masked softmax — the
+  CPU decode hot path;
+- prefill chunks (of any length, one token included) and mixed batches: per sequence, gather its context and run
   ``F.scaled_dot_product_attention`` with the causal offset mask (a query at absolute position ``p`` sees the
   positions ``<= p``).
 """
@@ -266,10 +267,10 @@ class _StepPlan:
     """Per-step metadata shared by all layers: which rows decode (one vectorised call), which are prefill chunks.
 
     Attributes:
-        all_decode: every sequence has one new token (``forward`` returns the decode output directly).
-        decode_rows: ``[num_decode]`` int64 token rows of the one-token sequences, or None when all or none are.
-        decode_meta: :class:`DecodeMeta` of the one-token sequences, or None when there are none.
-        prefills: per multi-token chunk ``(first row, end row, context_len, block ids [num_ctx_blocks] int64,
+        all_decode: every sequence is a decode step (``forward`` returns the decode output directly).
+        decode_rows: ``[num_decode]`` int64 token rows of the decode steps, or None when all or none are.
+        decode_meta: :class:`DecodeMeta` of the decode steps, or None when there are none.
+        prefills: per prefill chunk ``(first row, end row, context_len, block ids [num_ctx_blocks] int64,
             causal offset mask [n, context_len] bool or None when the chunk is the whole context)``.
     """
 
@@ -279,7 +280,7 @@ class _StepPlan:
         self.offsets = batch.slot_mapping - self.block_ids * block_size
         qsl = batch.query_start_loc
         device = batch.block_tables.device
-        decode_seqs = [s for s in range(batch.num_seqs) if qsl[s + 1] - qsl[s] == 1]
+        decode_seqs = [s for s, is_decode in enumerate(batch.decode_seqs) if is_decode]
         self.all_decode = len(decode_seqs) == batch.num_seqs
         self.decode_rows: torch.Tensor | None = None
         self.decode_meta: DecodeMeta | None = None
@@ -297,7 +298,7 @@ class _StepPlan:
         self.prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
         for s in range(batch.num_seqs):
             start, end = qsl[s], qsl[s + 1]
-            if end - start == 1:
+            if batch.decode_seqs[s]:
                 continue
             context_len = batch.seq_lens[s]
             num_blocks = (context_len + block_size - 1) // block_size
@@ -311,6 +312,51 @@ def _gather_context(pool: torch.Tensor, blocks: torch.Tensor, context_len: int) 
     num_kv_heads, head_dim = pool.shape[1], pool.shape[3]
     pages = pool.index_select(0, blocks)  # [num_ctx_blocks, kv, bs, d]
     return pages.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+
+
+#: query rows of a CPU prefill chunk are padded to a multiple of this (see :func:`prefill_attention_over_pool`)
+PREFILL_QUERY_ROWS_MULTIPLE = 8
+
+
+def prefill_attention_over_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                                context_len: int, scale: float) -> torch.Tensor:
+    """Attend a prefill chunk's queries over their sequence's context read back from the pool (the CPU path).
+
+    Every query's output is bit-identical however its prompt was chunked, whether its prefix came from the
+    prefix cache, and whichever sequences share the step: the context is always read from the pool in whole blocks,
+    the query rows are padded to a multiple of ``PREFILL_QUERY_ROWS_MULTIPLE`` (MKL's GEMM rounds a row the same
+    way on such shapes, see :meth:`worker.quant._SplitLinear._prefill`) and positions past a query are masked to
+    probability 0 (exact zeros in the sums)::
+
+        q: [n, heads, d] -> [kv, group * n_pad, d]      k, v: [kv, num_blocks * block_size, d]
+        scores = q k^T * scale, masked (key j > query position) -> softmax -> @ v -> [n, heads, d]
+
+    Args:
+        q: ``[n, num_heads, head_dim]``, the chunk's queries (positions ``context_len - n .. context_len - 1``).
+        k_cache, v_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (the chunk's K/V already written).
+        blocks: ``[num_ctx_blocks]`` int64, the sequence's blocks covering ``context_len`` tokens.
+        context_len: tokens of context including the chunk.
+        scale: softmax scale.
+
+    Returns:
+        ``[n, num_heads, head_dim]`` in ``q``'s dtype.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    n_pad = n + (-n % PREFILL_QUERY_ROWS_MULTIPLE)
+    k = k_cache.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)  # [kv, L, d]
+    v = v_cache.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    length = k.shape[1]
+    qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, n, d]
+    qg = F.pad(qg, (0, 0, 0, n_pad - n)).reshape(num_kv_heads, group * n_pad, head_dim)
+    scores = torch.matmul(qg, k.transpose(1, 2)).view(num_kv_heads, group, n_pad, length)
+    query_pos = torch.arange(context_len - n, context_len - n + n_pad, device=q.device)
+    hidden = torch.arange(length, device=q.device)[None, :] > query_pos[:, None]  # [n_pad, L]
+    probs = torch.softmax((scores * scale).masked_fill_(hidden, float("-inf")), dim=-1)
+    out = torch.matmul(probs.view(num_kv_heads, group * n_pad, length), v)  # [kv, group * n_pad, d]
+    return out.view(num_kv_heads, group, n_pad, head_dim)[:, :, :n].permute(2, 0, 1, 3).reshape(n, num_heads,
+                                                                                              head_dim)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -362,6 +408,10 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, plan.decode_rows, out_decode)
         group = q.shape[1] // num_kv_heads
         for start, end, context_len, blocks, mask in plan.prefills:
+            if k_cache.device.type == "cpu":
+                out[start:end] = prefill_attention_over_pool(q[start:end], k_cache, v_cache, blocks, context_len,
+                                                             scale)
+                continue
             if mask is None:
                 k_ctx, v_ctx = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:

@@ -48,7 +48,7 @@ from gateway.state import (
 from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_stats
 from gateway.pipeline.classify import TierResolver
 from gateway.pipeline.tokenize import Tokenizer
-from shared.config import resolve_model_path
+from shared.config import tokenizer_model_path
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -68,7 +68,7 @@ async def _tokenizer_ctx(app: web.Application) -> AsyncIterator[None]:
         config = app[CONFIG]
         loop = asyncio.get_running_loop()
         app[TOKENIZER] = await loop.run_in_executor(
-            None, Tokenizer.from_model_path, resolve_model_path(config.model), config.gateway.tokenizer_threads)
+            None, Tokenizer.from_model_path, tokenizer_model_path(config), config.gateway.tokenizer_threads)
     yield
     if owned:
         app[TOKENIZER].close()

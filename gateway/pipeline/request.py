@@ -31,6 +31,7 @@ from gateway.pipeline.classify import Principal
 from gateway.pipeline.generate import FinishEvent, Generation
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import Tokenizer
+from gateway.upstream.request_body import UpstreamPrompt
 from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
@@ -164,6 +165,7 @@ class RequestPipeline:
             first_token_timeout_s=config.gateway.first_token_timeout_s,
             stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
             cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
+            upstream_prompts=_upstream_prompts(body) if runtime.config.backend == "openai" else None,
         )
         return Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
 
@@ -222,6 +224,13 @@ class RequestPipeline:
             return await self.collect(plan)
         finally:
             plan.generation.close()
+
+
+def _upstream_prompts(body: OpenAIRequest) -> list[UpstreamPrompt]:
+    """Return what an upstream pool is sent per prompt: the chat messages, or each completion prompt."""
+    if isinstance(body, openai_api.ChatCompletionRequest):
+        return [UpstreamPrompt(messages=openai_api.chat_messages(body))]
+    return [UpstreamPrompt(prompt=prompt) for prompt in openai_api.completion_prompts(body)]
 
 
 def _sampling(body: OpenAIRequest) -> SamplingParams:

@@ -34,11 +34,20 @@ class StreamUpdate(msgspec.Struct, frozen=True):
         token_ids: new output token ids, in order.
         first_token_latency_ms: the worker's time to first token, on the update that carries the first token.
         finished: the worker's final report, or None while the request runs.
+        text, num_text_tokens: new output text and its token count, from an upstream that streams text instead
+            of token ids (``gateway.upstream``); then ``token_ids`` is empty.
     """
 
     token_ids: list[int]
     first_token_latency_ms: float | None = None
     finished: Finished | None = None
+    text: str = ""
+    num_text_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """New output tokens: the token ids, or as many as the upstream's text chunks carried."""
+        return len(self.token_ids) + self.num_text_tokens
 
 
 class RequestStream:
@@ -52,6 +61,8 @@ class RequestStream:
         self.request_id = request_id
         self.worker = worker
         self._token_ids: list[int] = []
+        self._text_parts: list[str] = []  # from an upstream that streams text (gateway.upstream)
+        self._num_text_tokens = 0
         self._first_token_latency_ms: float | None = None
         self._finished: Finished | None = None
         self._error: SluiceError | None = None
@@ -69,6 +80,15 @@ class RequestStream:
         self._token_ids.extend(delta.token_ids)
         if delta.first_token_latency_ms is not None:
             self._first_token_latency_ms = delta.first_token_latency_ms
+        self._wake()
+
+    def _push_text(self, text: str, num_tokens: int, first_token_latency_ms: float | None = None) -> None:
+        """Add output text of ``num_tokens`` tokens (an upstream's SSE chunk)."""
+        self._started()
+        self._text_parts.append(text)
+        self._num_text_tokens += num_tokens
+        if first_token_latency_ms is not None:
+            self._first_token_latency_ms = first_token_latency_ms
         self._wake()
 
     def _finish(self, finished: Finished) -> None:
@@ -101,10 +121,12 @@ class RequestStream:
         self._has_update = False
         token_ids, self._token_ids = self._token_ids, []
         latency_ms, self._first_token_latency_ms = self._first_token_latency_ms, None
-        if token_ids or self._finished is not None:
+        text, self._text_parts = "".join(self._text_parts), []
+        num_text_tokens, self._num_text_tokens = self._num_text_tokens, 0
+        if token_ids or text or self._finished is not None:
             # A failure that came with these tokens is reported by the next call, at once rather than after a wait.
             self._has_update = self._error is not None
-            return StreamUpdate(token_ids, latency_ms, self._finished)
+            return StreamUpdate(token_ids, latency_ms, self._finished, text, num_text_tokens)
         if self._error is not None:
             raise self._error
         return StreamUpdate([], latency_ms, None)

@@ -468,7 +468,8 @@ class PoolConfig(_Section):
         kv_capacity_tokens: KV cache size of one upstream in tokens, for admission's KV demand; 0 = the engine's
             where it says (SGLang), else ``max_concurrency`` × ``[model].max_model_len_tokens``.
         metrics_interval_s: seconds between two polls of an upstream's ``/metrics`` (health and capacity).
-        api_key: bearer token sent upstream; "" = none. ``api_key_env`` names a variable holding it instead.
+        api_key, api_key_env: the bearer token sent upstream, or the name of the environment variable that holds it
+            (read at start); both "" = none.
     """
 
     name: str

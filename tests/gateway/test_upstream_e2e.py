@@ -24,6 +24,7 @@ MODEL = "smollm2-upstream"  # the name clients send to Sluice
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 LONG_PROMPT = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
 REQUEST_TIMEOUT_S = 300.0
+MAX_TOKENS = 12
 
 
 def gateway_config(upstream: TransformersServe) -> str:
@@ -97,23 +98,25 @@ def test_no_local_worker_and_the_upstream_is_the_pools_worker(gateway):
     assert worker["hello"]["max_num_seqs"] == 4
 
 
-def test_chat_through_sluice_equals_the_engines_own_answer_at_temperature_0(gateway, upstream):
-    direct = client_for(upstream.base_url).chat.completions.create(
-        model=upstream.model, messages=PROMPT, temperature=0, max_tokens=24)
+@pytest.fixture(scope="module")
+def direct(upstream):
+    """The engine's own answer to PROMPT at temperature 0, asked directly."""
+    return client_for(upstream.base_url).chat.completions.create(
+        model=upstream.model, messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
+
+
+def test_chat_through_sluice_equals_the_engines_own_answer_at_temperature_0(gateway, direct):
     via = client_for(gateway.base_url).chat.completions.create(
-        model=MODEL, messages=PROMPT, temperature=0, max_tokens=24)
+        model=MODEL, messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
     assert via.choices[0].message.content == direct.choices[0].message.content
     assert via.choices[0].message.content
     assert via.model == MODEL and via.choices[0].finish_reason == direct.choices[0].finish_reason
     assert via.usage.completion_tokens == direct.usage.completion_tokens
 
 
-def test_stream_is_sluices_sse_contract_and_equals_the_engines_answer(gateway, upstream):
-    direct = client_for(upstream.base_url).chat.completions.create(
-        model=upstream.model, messages=PROMPT, temperature=0, max_tokens=24)
-
+def test_stream_is_sluices_sse_contract_and_equals_the_engines_answer(gateway, direct):
     async def stream() -> list[str]:
-        body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": 24, "stream": True,
+        body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True,
                 "stream_options": {"include_usage": True}}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
             async with session.post(gateway.base_url + "/v1/chat/completions", json=body) as response:
@@ -136,16 +139,6 @@ def test_stream_is_sluices_sse_contract_and_equals_the_engines_answer(gateway, u
     assert text == direct.choices[0].message.content
 
 
-def test_stop_string_is_enforced_by_the_gateway(gateway, upstream):
-    direct = client_for(upstream.base_url).chat.completions.create(
-        model=upstream.model, messages=PROMPT, temperature=0, max_tokens=24).choices[0].message.content
-    stop = direct.split()[2]  # a word in the middle of the engine's answer
-    via = client_for(gateway.base_url).chat.completions.create(
-        model=MODEL, messages=PROMPT, temperature=0, max_tokens=24, stop=[stop])
-    assert via.choices[0].message.content == direct[:direct.index(stop)]
-    assert via.choices[0].finish_reason == "stop"
-
-
 def test_bad_input_is_a_400_from_sluice_before_the_engine_is_called(gateway):
     sent_before = upstream_status(gateway)["connections"]
     status, body = post_json(gateway.base_url + "/v1/chat/completions",
@@ -159,14 +152,21 @@ def test_bad_input_is_a_400_from_sluice_before_the_engine_is_called(gateway):
     assert upstream_status(gateway)["connections"] == sent_before
 
 
-def test_a_job_runs_on_the_upstream_pool(gateway):
-    status, job = post_json(gateway.base_url + "/v1/jobs", {"model": MODEL, "messages": PROMPT, "max_tokens": 8,
-                                                           "temperature": 0})
+def test_a_job_runs_on_the_upstream_pool_with_the_stop_string_enforced_by_the_gateway(gateway, direct):
+    answer = direct.choices[0].message.content
+    stop = answer.split()[2]  # a word in the middle of the engine's answer
+    status, job = post_json(gateway.base_url + "/v1/jobs", {"model": MODEL, "messages": PROMPT, "temperature": 0,
+                                                           "max_tokens": MAX_TOKENS, "stop": [stop]})
     assert status == 202, job
-    done = wait_for(lambda: (lambda s, j: j if j["status"] in ("completed", "failed") else None)(
-        *get_json(f"{gateway.base_url}/v1/jobs/{job['id']}")), REQUEST_TIMEOUT_S, "the job to finish")
-    assert done["status"] == "completed", done
-    assert done["result"]["choices"][0]["message"]["content"]
+
+    def finished():
+        job_status, body = get_json(f"{gateway.base_url}/v1/jobs/{job['id']}")
+        return body if body["status"] in ("succeeded", "failed") else None
+
+    done = wait_for(finished, REQUEST_TIMEOUT_S, "the job to finish")
+    assert done["status"] == "succeeded", done
+    choice = done["result"]["choices"][0]
+    assert choice["message"]["content"] == answer[:answer.index(stop)] and choice["finish_reason"] == "stop"
 
 
 def test_client_disconnect_closes_the_upstream_connection_at_once(gateway, upstream):

@@ -345,7 +345,7 @@ class UpstreamClient(WorkerClient):
         return Hello(worker_id=self.name, model_id=self.model, backend=self.backend, device=self.address,
                      block_size_tokens=BLOCK_SIZE_TOKENS, num_kv_blocks=num_blocks,
                      kv_capacity_tokens=num_blocks * BLOCK_SIZE_TOKENS, max_num_seqs=max_num_seqs,
-                     max_model_len_tokens=self.max_model_len_tokens, attention_backend=self.engine)
+                     max_model_len_tokens=self.max_model_len_tokens, attention_backend="none")
 
     def _mark_unreachable(self, reason: str) -> None:
         if self._reachable or self.last_error is None:

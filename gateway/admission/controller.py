@@ -83,9 +83,10 @@ from gateway.admission.arrival import ArrivalChecks
 from gateway.admission.capacity import CapacityView, ReservationT
 from gateway.admission.dispatch import Dispatcher
 from gateway.admission.order import FifoOrder, make_dispatch_order
-from gateway.admission.pressure import PressureLevel, PressureMonitor
+from gateway.admission.pressure import PressureMonitor
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.admission.rates import ServiceRates
+from gateway.admission.shedding import Shedder
 from gateway.admission.stats import AdmissionStats, TierStats
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
@@ -141,9 +142,11 @@ class AdmissionController(Generic[ReservationT]):
         self._waits = WaitEstimator(config, self._queues, self._in_flight, self._rates, self._order, view,
                                     self.pressure, clock)
         self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self._rates, self._waits,
-                                      self._order, view, clock, self._shed_expired)
+                                      self._order, view, clock, lambda now_s: self._shedder.shed_expired(now_s))
         self._arrival = ArrivalChecks(config, self._queues, self._waits, self.pressure, view,
                                       lambda tier: self.queued_elsewhere(tier))
+        self._shedder = Shedder(self._queues, self._waits, self._arrival, self.pressure, view,
+                                self._dispatcher.dispatch, clock)
         self._draining = False
         # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``),
         # counted against
@@ -247,7 +250,7 @@ class AdmissionController(Generic[ReservationT]):
             queue.push(ticket)
             self._dispatcher.dispatch()
             if ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection:
-                self._check_predicted_wait(ticket, queue, timeout_s)
+                self._shedder.check_predicted_wait(ticket, queue, timeout_s)
         except SluiceError:
             await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
             raise
@@ -255,7 +258,7 @@ class AdmissionController(Generic[ReservationT]):
             while not future.done():
                 remaining_s = ticket.deadline_s - self._clock()
                 if remaining_s <= 0:
-                    self._shed_timed_out(ticket)
+                    self._shedder.shed_timed_out(ticket)
                     break
                 await asyncio.wait((future,), timeout=None if math.isinf(remaining_s) else remaining_s)
         except asyncio.CancelledError:
@@ -300,11 +303,8 @@ class AdmissionController(Generic[ReservationT]):
 
     def shed_at_worker(self, ticket: Ticket[ReservationT], message: str) -> SluiceError:
         """The worker dropped the ticket's request unstarted at its start deadline: count a ``queue_timeout`` of
-        its tier and return the 503 to answer, with ``Retry-After`` from the tier's drain rate."""
-        queue = self._queues[ticket.tier.name]
-        queue.num_rejected[ErrorCode.QUEUE_TIMEOUT.value] += 1
-        return SluiceError(ErrorCode.QUEUE_TIMEOUT, message,
-                           retry_after_s=self._waits.clamp_retry_after(self._waits.tier_retry_after_s(queue)))
+        its tier and return the 503 to answer (:meth:`Shedder.shed_at_worker`)."""
+        return self._shedder.shed_at_worker(ticket, message)
 
     def on_capacity_changed(self) -> None:
         """Re-run dispatch (and shed expired tickets): call when a worker reports capacity or a request ends."""
@@ -319,9 +319,7 @@ class AdmissionController(Generic[ReservationT]):
     def start_draining(self) -> None:
         """Stop admitting: shed queued tickets and reject new ones with 503 ``server_draining`` (SIGTERM)."""
         self._draining = True
-        for queue in self._queues.values():
-            for ticket in list(queue.tickets.values()):
-                self._shed(ticket, ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
+        self._shedder.shed_all(ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
 
     # ----------------------------------------------------------------------------------------------- estimates
 
@@ -384,55 +382,6 @@ class AdmissionController(Generic[ReservationT]):
 
     # ----------------------------------------------------------------------------------------------- internals
 
-    def _check_predicted_wait(self, ticket: Ticket[ReservationT], queue: TierQueue, timeout_s: float) -> None:
-        """Early rejection of a ticket that the dispatch at its arrival left queued: take it out of the queue and
-        raise 503 ``predicted_queue_timeout`` when its predicted wait exceeds its deadline."""
-        priority = ticket.tier.priority
-        predicted_s = self._waits.predicted_wait_behind_s(
-            priority, self._waits.work_ahead_tokens(priority) - ticket.expected_work_tokens, ticket,
-            ticket.demand_blocks,
-        )
-        if predicted_s is None or predicted_s <= timeout_s:
-            return
-        queue.remove(ticket)
-        self._dispatcher.dispatch()  # it may have been the head that held the others back
-        self._arrival.reject(
-            ticket,
-            queue,
-            ErrorCode.PREDICTED_QUEUE_TIMEOUT,
-            f"The predicted queue wait ({predicted_s:.1f} s) exceeds the '{ticket.tier.name}' tier's "
-            f"deadline ({timeout_s:g} s); the server is overloaded.",
-            predicted_s - timeout_s,
-        )
-
-    def _shed(self, ticket: Ticket[ReservationT], code: ErrorCode, message: str,
-              retry_after_s: float | None = None) -> None:
-        """Take a queued ticket out of its queue and fail its waiter."""
-        queue = self._queues[ticket.tier.name]
-        if not queue.remove(ticket):
-            return
-        ticket.state = TicketState.REJECTED
-        queue.num_rejected[code.value] += 1
-        seconds = self._waits.tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
-        error = SluiceError(code, message, retry_after_s=self._waits.clamp_retry_after(seconds))
-        if ticket._future is not None and not ticket._future.done():
-            ticket._future.set_exception(error)
-
-    def _shed_timed_out(self, ticket: Ticket[ReservationT]) -> None:
-        waited_s = self._clock() - ticket.arrival_s
-        self._shed(
-            ticket,
-            ErrorCode.QUEUE_TIMEOUT,
-            f"The request waited {waited_s:.1f} s in the '{ticket.tier.name}' queue, past its deadline; "
-            "the server is overloaded.",
-        )
-
-    def _shed_expired(self, now_s: float) -> None:
-        for queue in self._queues.values():
-            expired = [t for t in queue.tickets.values() if t.deadline_s is not None and t.deadline_s <= now_s]
-            for ticket in expired:
-                self._shed_timed_out(ticket)
-
     def _cancel(self, ticket: Ticket[ReservationT]) -> None:
         """The waiter was cancelled: leave the queue, or give back a reservation granted in the same instant."""
         if ticket.state is TicketState.QUEUED:
@@ -470,29 +419,6 @@ class AdmissionController(Generic[ReservationT]):
         return self._rates.backlog_rate_tokens_per_s()
 
     def _observe_pressure(self) -> None:
-        """Feed the pressure monitor; when the level starts shedding a tier, shed that tier's queue too."""
-        if not self._enabled:
-            return
-        now_s = self._clock()
-        oldest_wait_s = max(
-            (
-                now_s - head.enqueued_s
-                for q in self._queues.values()
-                if (head := q.head()) is not None and head.enqueued_s is not None
-            ),
-            default=0.0,
-        )
-        predicted_s = self.predicted_wait_s(self._lowest_tier) or 0.0  # behind all queued work, slots included
-        before = self.pressure.level
-        level = self.pressure.observe(max(oldest_wait_s, predicted_s), self._view.kv_used_fraction())
-        if level > before and level is not PressureLevel.NORMAL:
-            for queue in self._queues.values():
-                if self.pressure.sheds(queue.config.name):
-                    for ticket in list(queue.tickets.values()):
-                        self._shed(
-                            ticket,
-                            ErrorCode.SERVER_OVERLOADED,
-                            f"The server is overloaded ({level.label} pressure) and stopped serving the "
-                            f"'{queue.config.name}' tier.",
-                            self._waits.overload_retry_after_s(),
-                        )
+        """Feed the pressure monitor (``Shedder.observe_pressure``); a no-op with admission off."""
+        if self._enabled:
+            self._shedder.observe_pressure(self._lowest_tier)

@@ -46,138 +46,19 @@ from gateway.jobs.models import (
     Job,
     JobsSummary,
 )
+from gateway.jobs.redis_scripts import (
+    FINISH_LUA,
+    GROUP,
+    RENEW_LUA,
+    REQUEUE_LUA,
+    RESERVE_LUA,
+    START_LUA,
+    UPDATE_BATCH_LUA,
+    encode_field,
+    from_hash,
+    to_hash,
+)
 from gateway.jobs.store import JobStore, TooManyJobsError
-
-GROUP = "runners"
-
-# KEYS: job hash, active hash, expiry zset. ARGV: status, finished_at, result, error json, status_code,
-# request_id, key prefix, retention seconds, job id.
-_FINISH_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if (not st) or (st ~= 'queued' and st ~= 'running') then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[2], 'result', ARGV[3], 'error', ARGV[4],
-           'status_code', ARGV[5], 'request_id', ARGV[6], 'lease_owner', '', 'lease_expires_at', '0')
-local owner = redis.call('HGET', KEYS[1], 'owner')
-redis.call('HINCRBY', KEYS[2], owner, -1)
-redis.call('ZREM', KEYS[3], ARGV[9])
-local batch = redis.call('HGET', KEYS[1], 'batch_id')
-if batch and batch ~= '' then
-  local counter = 'num_failed'
-  if ARGV[1] == 'succeeded' then counter = 'num_completed' end
-  redis.call('HINCRBY', ARGV[7] .. ':batch:' .. batch, counter, 1)
-end
-local sk = redis.call('HGET', KEYS[1], 'stream_key')
-local sid = redis.call('HGET', KEYS[1], 'stream_id')
-if sk and sk ~= '' and sid and sid ~= '' then
-  redis.call('XACK', sk, 'runners', sid)
-  redis.call('XDEL', sk, sid)
-end
-redis.call('EXPIRE', KEYS[1], math.max(1, math.floor(tonumber(ARGV[8]))))
-return 1
-"""
-
-# KEYS: job hash. ARGV: runner, lease_expires_at, now, stream key, entry id.
-# Returns 1 when the job is now running for this runner, 0 when the entry was stale (job final or gone).
-_START_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if (not st) or (st ~= 'queued' and st ~= 'running') then
-  redis.call('XACK', ARGV[4], 'runners', ARGV[5])
-  redis.call('XDEL', ARGV[4], ARGV[5])
-  return 0
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'lease_owner', ARGV[1], 'lease_expires_at', ARGV[2],
-           'stream_key', ARGV[4], 'stream_id', ARGV[5])
-redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-local started = tonumber(redis.call('HGET', KEYS[1], 'started_at') or '0')
-if (not started) or started == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
-return 1
-"""
-
-# KEYS: job hash. ARGV: runner, lease_expires_at.
-_RENEW_LUA = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
-if redis.call('HGET', KEYS[1], 'lease_owner') ~= ARGV[1] then return 0 end
-local sk = redis.call('HGET', KEYS[1], 'stream_key')
-local sid = redis.call('HGET', KEYS[1], 'stream_id')
-local claimed = redis.call('XCLAIM', sk, 'runners', ARGV[1], 0, sid, 'JUSTID')
-if #claimed == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'lease_expires_at', ARGV[2])
-return 1
-"""
-
-# KEYS: job hash. ARGV: runner, queue stream key, attempts to take back (0 or 1).
-_REQUEUE_LUA = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
-if redis.call('HGET', KEYS[1], 'lease_owner') ~= ARGV[1] then return 0 end
-local sk = redis.call('HGET', KEYS[1], 'stream_key')
-local sid = redis.call('HGET', KEYS[1], 'stream_id')
-if sk and sk ~= '' and sid and sid ~= '' then
-  redis.call('XACK', sk, 'runners', sid)
-  redis.call('XDEL', sk, sid)
-end
-local job_id = redis.call('HGET', KEYS[1], 'id')
-local new_id = redis.call('XADD', ARGV[2], '*', 'job', job_id)
-redis.call('HSET', KEYS[1], 'status', 'queued', 'lease_owner', '', 'lease_expires_at', '0',
-           'stream_key', ARGV[2], 'stream_id', new_id)
-if ARGV[3] ~= '0' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
-return 1
-"""
-
-# KEYS: active hash. ARGV: owner, n, limit. Returns the new count, or -(current + 1) when over the limit.
-_RESERVE_LUA = """
-local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if current + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return -(current + 1) end
-return redis.call('HINCRBY', KEYS[1], ARGV[1], tonumber(ARGV[2]))
-"""
-
-# KEYS: batch hash. ARGV[1]: comma-separated expected statuses; then field, value pairs.
-_UPDATE_BATCH_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return 0 end
-local ok = false
-for s in string.gmatch(ARGV[1], '[^,]+') do if s == st then ok = true end end
-if not ok then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-
-def _encode_field(value: Any) -> bytes | str:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, (int, float, str)):
-        return str(value)
-    return json.dumps(value)
-
-
-def _to_hash(record: msgspec.Struct) -> dict[str, bytes | str]:
-    return {name: _encode_field(getattr(record, name)) for name in record.__struct_fields__}
-
-
-def _from_hash(raw: dict[bytes, bytes], cls: type[msgspec.Struct]) -> Any:
-    """Decode a hash written by :func:`_to_hash` back into ``cls`` (unknown hash fields are ignored)."""
-    values: dict[str, Any] = {}
-    for field in msgspec.structs.fields(cls):
-        data = raw.get(field.name.encode())
-        if data is None:
-            continue
-        kind = field.type
-        if kind is bytes:
-            values[field.name] = data
-        elif kind is str:
-            values[field.name] = data.decode()
-        elif kind is bool:
-            values[field.name] = data == b"1"
-        elif kind is int:
-            values[field.name] = int(float(data))
-        elif kind is float:
-            values[field.name] = float(data)
-        else:
-            values[field.name] = json.loads(data)
-    return cls(**values)
-
 
 class RedisJobStore(JobStore):
     """The job store in Redis (see the module docstring for the key layout).
@@ -209,9 +90,9 @@ class RedisJobStore(JobStore):
     async def open(self) -> None:
         """See :meth:`JobStore.open`: connect, load the scripts, create the consumer groups."""
         self._redis = aioredis.Redis.from_url(self.url, decode_responses=False)
-        for name, source in (("finish", _FINISH_LUA), ("start", _START_LUA), ("renew", _RENEW_LUA),
-                             ("requeue", _REQUEUE_LUA), ("reserve", _RESERVE_LUA),
-                             ("update_batch", _UPDATE_BATCH_LUA)):
+        for name, source in (("finish", FINISH_LUA), ("start", START_LUA), ("renew", RENEW_LUA),
+                             ("requeue", REQUEUE_LUA), ("reserve", RESERVE_LUA),
+                             ("update_batch", UPDATE_BATCH_LUA)):
             self._scripts[name] = self._redis.register_script(source)
         for priority in range(MIN_PRIORITY, MAX_PRIORITY + 1):
             try:
@@ -326,13 +207,13 @@ class RedisJobStore(JobStore):
             first_seq = int(await self.redis.incrby(self._key("seq"), len(jobs) + 1)) - len(jobs)
             async with self.redis.pipeline(transaction=True) as pipe:
                 for i, job in enumerate(jobs):
-                    pipe.hset(self._key("job", job.id), mapping=_to_hash(job))
+                    pipe.hset(self._key("job", job.id), mapping=to_hash(job))
                     if job.expires_at:
                         pipe.zadd(self._key("expiry"), {job.id: job.expires_at})
                     if not job.batch_id:
                         pipe.zadd(self._key("owner", owner, "jobs"), {job.id: first_seq + i})
                 if batch is not None:
-                    pipe.hset(self._key("batch", batch.id), mapping=_to_hash(batch))
+                    pipe.hset(self._key("batch", batch.id), mapping=to_hash(batch))
                     if jobs:
                         pipe.rpush(self._key("batch", batch.id, "jobs"), *[job.id for job in jobs])
                     pipe.zadd(self._key("owner", owner, "batches"), {batch.id: first_seq - 1})
@@ -349,7 +230,7 @@ class RedisJobStore(JobStore):
     async def get_job(self, job_id: str) -> Job | None:
         """See :meth:`JobStore.get_job`."""
         raw = await self.redis.hgetall(self._key("job", job_id))
-        return _from_hash(raw, Job) if raw else None
+        return from_hash(raw, Job) if raw else None
 
     async def list_jobs(self, owner: str, limit: int, after: str | None) -> tuple[list[Job], bool]:
         """See :meth:`JobStore.list_jobs`."""
@@ -402,7 +283,7 @@ class RedisJobStore(JobStore):
         if not int(started):
             return None
         raw = await self.redis.hgetall(job_key)
-        return _from_hash(raw, Job) if raw else None
+        return from_hash(raw, Job) if raw else None
 
     async def renew(self, job_id: str, runner_id: str, lease_s: float, now_s: float) -> bool:
         """See :meth:`JobStore.renew`."""
@@ -466,7 +347,7 @@ class RedisJobStore(JobStore):
                     pipe.hgetall(self._key("job", job_id.decode()))
                 for raw in await pipe.execute():
                     if raw:
-                        jobs.append(_from_hash(raw, Job))
+                        jobs.append(from_hash(raw, Job))
         return jobs
 
     async def due_jobs(self, now_s: float, limit: int) -> list[str]:
@@ -479,7 +360,7 @@ class RedisJobStore(JobStore):
     async def get_batch(self, batch_id: str) -> Batch | None:
         """See :meth:`JobStore.get_batch`."""
         raw = await self.redis.hgetall(self._key("batch", batch_id))
-        return _from_hash(raw, Batch) if raw and b"id" in raw else None
+        return from_hash(raw, Batch) if raw and b"id" in raw else None
 
     async def list_batches(self, owner: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
         """See :meth:`JobStore.list_batches`."""
@@ -493,7 +374,7 @@ class RedisJobStore(JobStore):
         for name, value in fields.items():
             if name not in Batch.__struct_fields__ or name in ("num_completed", "num_failed"):
                 raise ValueError(f"update_batch: cannot set {name!r}")
-            args += [name, _encode_field(value)]
+            args += [name, encode_field(value)]
         if not int(await self._scripts["update_batch"](keys=[key], args=args)):
             return None
         batch = await self.get_batch(batch_id)

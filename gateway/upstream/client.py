@@ -327,12 +327,15 @@ class UpstreamClient(WorkerClient):
         total = self.hello.num_kv_blocks
         used = min(total, round(snapshot.kv_used_fraction * total)) if snapshot.kv_used_fraction is not None else 0
         rates = self._rates
+        # until the counters have measured a busy interval, the engine's own throughput figures, where it has them
+        prefill = rates.prefill_tokens_per_s or snapshot.reported_prefill_tokens_per_s or 0.0
+        decode = rates.decode_tokens_per_s or snapshot.reported_decode_tokens_per_s or 0.0
         self.capacity = Capacity(
             free_kv_blocks=total - used, total_kv_blocks=total, used_kv_blocks=used, cached_kv_blocks=0,
             num_running=snapshot.num_running, num_waiting=snapshot.num_waiting,
-            decode_tokens_per_s=rates.decode_tokens_per_s, prefill_tokens_per_s=rates.prefill_tokens_per_s,
+            decode_tokens_per_s=decode, prefill_tokens_per_s=prefill,
             sequence_decode_tokens_per_s=self._sequence_decode_tokens_per_s,
-            sequence_prefill_tokens_per_s=rates.prefill_tokens_per_s, busy_tokens_per_s=rates.busy_tokens_per_s)
+            sequence_prefill_tokens_per_s=prefill, busy_tokens_per_s=rates.busy_tokens_per_s or prefill + decode)
         self.capacity_at_s = time.time()
         if self._on_capacity is not None:
             self._on_capacity(self.name, self.capacity)

@@ -12,6 +12,8 @@ sglang         sglang:num_running_reqs,      sglang:token_usage          sglang:
                sglang:num_queue_reqs                                     sglang:generation_tokens_total
 llama.cpp      llamacpp:requests_processing, llamacpp:kv_cache_usage_    llamacpp:prompt_tokens_total,
 (--metrics)    llamacpp:requests_deferred    ratio                       llamacpp:tokens_predicted_total
+               (slots: ``GET /slots``)                                   (tokens/s: …prompt_tokens_seconds,
+                                                                         …predicted_tokens_seconds)
 tgi            tgi_batch_current_size,       —                           tgi_request_input_length_sum,
                tgi_queue_size                                            tgi_request_generated_tokens_sum
 =============  ============================  ==========================  ===========================================
@@ -44,6 +46,9 @@ class EngineSnapshot:
         generation_tokens_total: output tokens generated since start (a counter); None when not reported.
         kv_capacity_tokens: KV cache size in tokens when the engine reports it (SGLang's ``max_total_num_tokens``);
             None otherwise.
+        reported_prefill_tokens_per_s, reported_decode_tokens_per_s: throughputs the engine computes itself
+            (llama.cpp's ``prompt_tokens_seconds`` and ``predicted_tokens_seconds``, SGLang's ``gen_throughput``);
+            None when it does not. The client uses them until its own counter-based rates exist.
     """
 
     num_running: int
@@ -52,6 +57,8 @@ class EngineSnapshot:
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
     kv_capacity_tokens: int | None = None
+    reported_prefill_tokens_per_s: float | None = None
+    reported_decode_tokens_per_s: float | None = None
 
 
 class MetricsParseError(ValueError):
@@ -111,6 +118,7 @@ def parse_sglang(text: str) -> EngineSnapshot:
         prompt_tokens_total=_first(values, "sglang:prompt_tokens_total"),
         generation_tokens_total=_first(values, "sglang:generation_tokens_total"),
         kv_capacity_tokens=int(capacity) if capacity else None,
+        reported_decode_tokens_per_s=_first(values, "sglang:gen_throughput"),
     )
 
 
@@ -123,6 +131,8 @@ def parse_llamacpp(text: str) -> EngineSnapshot:
         kv_used_fraction=_first(values, "llamacpp:kv_cache_usage_ratio"),
         prompt_tokens_total=_first(values, "llamacpp:prompt_tokens_total"),
         generation_tokens_total=_first(values, "llamacpp:tokens_predicted_total"),
+        reported_prefill_tokens_per_s=_first(values, "llamacpp:prompt_tokens_seconds"),
+        reported_decode_tokens_per_s=_first(values, "llamacpp:predicted_tokens_seconds"),
     )
 
 

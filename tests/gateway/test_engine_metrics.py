@@ -23,8 +23,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics"
 @pytest.mark.parametrize(("fixture", "engine", "expected"), [
     ("vllm.txt", "vllm", EngineSnapshot(7, 3, 0.4125, 18211.0, 52044.0)),
     ("vllm_v0.txt", "vllm", EngineSnapshot(2, 0, 0.07, 1234.0, 5678.0)),  # gpu_cache_usage_perc before v0.10
-    ("sglang.txt", "sglang", EngineSnapshot(162, 2826, 0.28, 8128902.0, 7557572.0, kv_capacity_tokens=161721)),
-    ("llamacpp.txt", "llama.cpp", EngineSnapshot(4, 1, 0.25, 6886.0, 3469.0)),
+    ("sglang.txt", "sglang", EngineSnapshot(162, 2826, 0.28, 8128902.0, 7557572.0, kv_capacity_tokens=161721,
+                                            reported_decode_tokens_per_s=2994.28)),
+    ("llamacpp.txt", "llama.cpp", EngineSnapshot(4, 1, 0.25, 6886.0, 3469.0, reported_prefill_tokens_per_s=237.2,
+                                                 reported_decode_tokens_per_s=97.9)),
     ("tgi.txt", "tgi", EngineSnapshot(5, 9, None, 30210.0, 14820.0)),
 ])
 def test_parsers_read_each_engines_metrics(fixture, engine, expected):

@@ -109,6 +109,14 @@ def replay_summary(base_url: str, requests, builder: PromptBuilder, max_input_to
     return {"wall_s": round(run.wall_s, 2), "summary": summary}
 
 
+def clip_outputs(requests, max_output_tokens: int):
+    """Return the requests with answers of at most ``max_output_tokens`` tokens (a CPU engine serves the trace's
+    answers, hundreds of tokens each, at a few requests per minute)."""
+    from dataclasses import replace
+
+    return [replace(r, output_tokens=min(r.output_tokens, max_output_tokens)) for r in requests]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "/work/peers/llama-server"))
@@ -117,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=4, help="llama-server slots (--parallel)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--capacity-requests", type=int, default=16, help="requests of the capacity measurement")
-    parser.add_argument("--max-input-tokens", type=int, default=512)
+    parser.add_argument("--max-input-tokens", type=int, default=256)
+    parser.add_argument("--max-output-tokens", type=int, default=48)
     parser.add_argument("--duration-s", type=float, default=90.0, help="most seconds of arrivals per replay")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0)
     parser.add_argument("--start-s", type=float, default=0.0, help="trace time the window starts at")
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     builder = PromptBuilder(load_tokenizer())
-    unscaled = prepare_requests("azure-conv", 1.0, args.requests, None, TIER_MIX, seed=0, start_s=args.start_s)
+    unscaled = clip_outputs(prepare_requests("azure-conv", 1.0, args.requests, None, TIER_MIX, seed=0,
+                                             start_s=args.start_s), args.max_output_tokens)
     started = time.perf_counter()
     with llama_server(args.llama_server, default_model_path(), parallel=args.parallel, threads=args.threads,
                       ctx_per_slot=2048, extra_args=["--metrics"]) as llama_url:
@@ -134,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,
                                                          args.parallel, args.capacity_requests))
             rate_scale = rate_scale_for(args.multiple, capacity["requests_per_s"], unscaled)
-            requests = prepare_requests("azure-conv", rate_scale, args.requests, args.duration_s, TIER_MIX, seed=0,
-                                        start_s=args.start_s)
+            requests = clip_outputs(prepare_requests("azure-conv", rate_scale, args.requests, args.duration_s,
+                                                     TIER_MIX, seed=0, start_s=args.start_s), args.max_output_tokens)
             print(f"capacity {capacity['requests_per_s']:.3f} requests/s ({capacity['num_requests']} requests "
                   f"{capacity['concurrency']} at a time in {capacity['elapsed_s']} s); replaying "
                   f"{len(requests)} requests at {args.multiple:g}x (rate scale {rate_scale:.4g})")

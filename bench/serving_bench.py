@@ -166,13 +166,15 @@ def run_sluice(prompts: list[str], levels: list[int], weights: str = "auto", rep
 
 
 @contextlib.contextmanager
-def llama_server(binary: str, model_path: str, parallel: int, threads: int = 2, ctx_per_slot: int = 2048):
-    """Run ``llama-server`` on the GGUF file on a free port; yield its base URL; stop it afterwards."""
+def llama_server(binary: str, model_path: str, parallel: int, threads: int = 2, ctx_per_slot: int = 2048,
+                 extra_args: list[str] | None = None):
+    """Run ``llama-server`` on the GGUF file on a free port (with ``extra_args``, e.g. ``--metrics``); yield its
+    base URL; stop it afterwards."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "llama.log")
         cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
-               "-t", str(threads), "--cont-batching", "-c", str(parallel * ctx_per_slot)]
+               "-t", str(threads), "--cont-batching", "-c", str(parallel * ctx_per_slot), *(extra_args or [])]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         base_url = f"http://127.0.0.1:{port}"

@@ -51,7 +51,7 @@ from gateway.state import (
 from gateway.admission.tier_counters import TierCounters, TierCountersCollector, tier_counts_from_stats
 from gateway.pipeline.classify import TierResolver
 from gateway.pipeline.tokenize import Tokenizer
-from shared.config import effective_tiers
+from shared.config import effective_tiers, tokenizer_model_path
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -73,7 +73,8 @@ async def _tokenizer_ctx(app: web.Application) -> AsyncIterator[None]:
         config = app[CONFIG]
         loop = asyncio.get_running_loop()
         app[TOKENIZER] = await loop.run_in_executor(
-            None, Tokenizer.for_model, config.model, config.gateway.tokenizer_threads)
+            None, Tokenizer.for_model, config.model, config.gateway.tokenizer_threads,
+            "" if config.model.synthetic else tokenizer_model_path(config))
     yield
     if owned:
         app[TOKENIZER].close()

@@ -474,12 +474,28 @@ class PoolConfig(_Section):
         scale_down_after_s: seconds of low use before one worker is drained and stopped.
         target_queue_wait_s: predicted queue wait in seconds above which the pool wants more workers.
         env: extra environment of this pool's local workers, e.g. ``{ SLUICE_SIM__MODEL_PARAMS_B = "1.7" }``.
+        upstreams: with ``backend = "openai"``: base URLs of OpenAI-compatible servers the engine already runs
+            (``http://host:8000``, without ``/v1``); each is one worker of the pool (``gateway.upstream``). Such a
+            pool has no local workers (``min_workers`` / ``max_workers`` do not apply).
+        engine: what serves the upstreams, to read their capacity from their own ``/metrics``: ``vllm``,
+            ``sglang``, ``llama.cpp`` (``--metrics``), ``tgi``, ``transformers`` (``transformers serve``) or
+            ``generic`` (no metrics: ``max_concurrency`` and the rates the gateway measures).
+        upstream_model: the model name sent upstream; "" = ``model_name``.
+        tokenizer: GGUF file or Hugging Face folder whose tokenizer and chat template the gateway counts with (one
+            tokenizer serves the whole gateway: the first pool's, else ``[model].path``); "" = ``model``.
+        max_concurrency: most requests this gateway runs at once on one upstream; 0 = the engine's slot count where
+            it says (llama.cpp ``/slots``), else 64. Beyond it requests wait in Sluice's tier queues.
+        kv_capacity_tokens: KV cache size of one upstream in tokens, for admission's KV demand; 0 = the engine's
+            where it says (SGLang), else ``max_concurrency`` × ``[model].max_model_len_tokens``.
+        metrics_interval_s: seconds between two polls of an upstream's ``/metrics`` (health and capacity).
+        api_key, api_key_env: the bearer token sent upstream, or the name of the environment variable that holds it
+            (read at start); both "" = none.
     """
 
     name: str
     model: str = ""
     model_name: str = ""
-    backend: Literal["auto", "cpu", "cuda", "sim"] = "auto"
+    backend: Literal["auto", "cpu", "cuda", "sim", "openai"] = "auto"
     devices: list[str] = []
     min_workers: NonNegativeInt = 1
     max_workers: NonNegativeInt = 1
@@ -488,6 +504,15 @@ class PoolConfig(_Section):
     scale_down_after_s: NonNegativeFloat = 60.0
     target_queue_wait_s: float = 2.0  # > 0, checked (naming the pool) by validate_pool_config
     env: dict[str, str] = {}
+    upstreams: list[str] = []
+    engine: Literal["vllm", "sglang", "llama.cpp", "tgi", "transformers", "generic"] = "generic"
+    upstream_model: str = ""
+    tokenizer: str = ""
+    max_concurrency: NonNegativeInt = 0
+    kv_capacity_tokens: NonNegativeInt = 0
+    metrics_interval_s: PositiveFloat = 0.25
+    api_key: str = ""
+    api_key_env: str = ""
 
 
 class AutoscaleConfig(_Section):
@@ -657,11 +682,31 @@ def effective_pools(config: Config) -> list[PoolConfig]:
         count = config.worker.num_local_workers
         return [PoolConfig(name=DEFAULT_POOL_NAME, model=config.model.path, model_name=config.model.name,
                            backend=config.worker.backend, min_workers=count, max_workers=count)]
-    return [
-        msgspec.structs.replace(pool, model=pool.model or config.model.path,
-                                model_name=pool.model_name or config.model.name)
-        for pool in config.pools
-    ]
+    pools = []
+    for pool in config.pools:
+        pool = msgspec.structs.replace(pool, model=pool.model or config.model.path,
+                                       model_name=pool.model_name or config.model.name)
+        if pool.backend == "openai":  # its workers are the upstreams: nothing to start locally
+            pool = msgspec.structs.replace(pool, min_workers=0, max_workers=0,
+                                           upstream_model=pool.upstream_model or pool.model_name)
+        pools.append(pool)
+    return pools
+
+
+def tokenizer_model_path(config: Config) -> str:
+    """Return the model path the gateway's tokenizer loads: the first pool's ``tokenizer`` (else, for an upstream
+    pool, its ``model`` when set), else ``[model]`` resolved (the default GGUF when empty).
+
+    Raises:
+        ConfigError: the default model is needed and not installed.
+    """
+    if config.pools:
+        first = config.pools[0]
+        if first.tokenizer:
+            return first.tokenizer
+        if first.backend == "openai" and first.model:
+            return first.model
+    return resolve_model_path(config.model)
 
 
 def validate_pool_config(config: Config) -> None:
@@ -690,6 +735,14 @@ def validate_pool_config(config: Config) -> None:
             raise ConfigError(f"{where}.target_queue_wait_s: must be > 0, got {pool.target_queue_wait_s}")
         if pool.cost_per_worker_s < 0:
             raise ConfigError(f"{where}.cost_per_worker_s: must be ≥ 0")
+        if pool.backend == "openai":
+            if not pool.upstreams:
+                raise ConfigError(f'{where}.upstreams: a pool with backend = "openai" needs at least one URL')
+            for url in pool.upstreams:
+                if not url.startswith(("http://", "https://")):
+                    raise ConfigError(f"{where}.upstreams: {url!r} is not an http:// or https:// URL")
+        elif pool.upstreams:
+            raise ConfigError(f'{where}.upstreams: only a pool with backend = "openai" has upstreams')
         unknown_env = [name for name in pool.env if not name.isidentifier()]
         if unknown_env:
             raise ConfigError(f"{where}.env: not environment variable names: {unknown_env}")

@@ -110,6 +110,6 @@ class DeepReadiness:
         finally:
             if not stream.done:
                 client.abort(request_id)
-        if update.token_ids or (update.finished is not None and update.finished.completion_tokens > 0):
+        if update.num_tokens or (update.finished is not None and update.finished.completion_tokens > 0):
             return GenerationProbe(client.name, True)
         return GenerationProbe(client.name, False, f"worker {client.name} answered the probe without a token")

@@ -50,6 +50,7 @@ from gateway.fleet.reporting import FleetCollector, FleetReport
 from gateway.fleet.scaling import ScalingLoop
 from gateway.fleet.spawn import WorkerSpawner, preload_modules
 from gateway.metrics import Metrics
+from gateway.upstream.pool_config import make_upstream_client
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool, WorkerStatus
 from shared.auth import load_secret
@@ -96,7 +97,8 @@ class Fleet:
         self.cold_start_hist = Histogram("sluice_worker_cold_start_seconds", "Local worker spawn to Hello",
                                          ["pool"], buckets=_COLD_START_BUCKETS_S, registry=metrics.registry)
         spawner = WorkerSpawner(config.gateway.worker_start_method,
-                                preload_modules(pool.backend for pool in self._pool_configs))
+                                preload_modules(pool.backend for pool in self._pool_configs
+                                                if pool.backend != "openai"))
         self.local = LocalProcesses(config, metrics, self.meter, spawner, clock, config_path, self._on_cold_start,
                                     self.kick, secret=self._worker_secret)
         self._spawner = spawner
@@ -139,6 +141,13 @@ class Fleet:
         runtime = PoolRuntime(pool_config, pool, admission, capper)
         admission.on_arrival = lambda: self.scaling.on_arrival(runtime)
         holder.append(runtime)
+        if pool_config.backend == "openai":
+            for i, url in enumerate(pool_config.upstreams):
+                name = f"{pool_config.name}-upstream-{i}"
+                client = make_upstream_client(pool_config, url, name, self.config, self.metrics.observe_capacity,
+                                              WorkerPool.make_breaker(self.config.breaker))
+                runtime.remote[name] = (client, self._clock())
+                pool.add_client(client)
         return runtime
 
     def start(self) -> None:

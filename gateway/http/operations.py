@@ -62,7 +62,9 @@ async def readyz(request: web.Request) -> web.Response:
     clients = [client for runtime in fleet.runtimes.values() for client in runtime.pool.clients]
     ready = sum(1 for client in clients if client.ready)
     if not fleet.is_ready():
-        raise SluiceError(ErrorCode.NO_WORKER, "no worker is ready yet", retry_after_s=1)
+        reasons = [reason for client in clients if (reason := client.not_ready_reason()) is not None]
+        why = "; ".join(reasons) if reasons else "no worker configured"
+        raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready yet: {why}", retry_after_s=1)
     body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}
     if request.query.get("deep", "").lower() in ("1", "true", "yes"):
         probes = await request.app[DEEP_READY].check()

@@ -43,6 +43,7 @@ from gateway.metrics import Metrics
 from gateway.pipeline.stop import StopStringMatcher
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.tokenize import Tokenizer
+from gateway.upstream.request_body import UpstreamPrompt
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
@@ -55,7 +56,9 @@ log = structlog.get_logger("sluice.gateway")
 SEED_MODULUS = 2**63
 MAX_ATTEMPTS_PER_CHOICE = 2  # the first try and one retry before the first byte
 # Failures that may be retried on another worker when no token of the choice exists yet.
-RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING})
+# server_overloaded: an upstream answered 429/503 (gateway.upstream); the retry waits in the tier queue.
+RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING,
+                             ErrorCode.SERVER_OVERLOADED})
 # Failures that say the worker is unhealthy (its breaker counts them); others (bad input) are the request's fault.
 HEALTH_FAILURE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.INTERNAL})
 
@@ -143,13 +146,15 @@ class Generation:
         arrival_s: ``time.perf_counter()`` when the request arrived (for TTFT).
         cache_key: carried to the worker.
         ignore_eos: forwarded (benchmarks).
+        upstream_prompts: the client's messages or prompt, one per prompt, for an upstream worker
+            (``gateway.upstream``); None = token ids only.
     """
 
     def __init__(self, *, request_id: str, prompts: list[list[int]], max_tokens: list[int], n: int,
                  sampling: SamplingParams, stop_strings: list[str], principal: Principal,
                  admission: AdmissionController, pool: WorkerPool, tokenizer: Tokenizer, metrics: Metrics,
                  first_token_timeout_s: float, stall_timeout_s: float, arrival_s: float, cache_key: str = "",
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, upstream_prompts: list[UpstreamPrompt] | None = None) -> None:
         self.request_id = request_id
         self.prompts = prompts
         self.max_tokens = max_tokens
@@ -167,6 +172,7 @@ class Generation:
         self.arrival_s = arrival_s
         self.cache_key = cache_key
         self.ignore_eos = ignore_eos
+        self.upstream_prompts = upstream_prompts
         self.choices: list[ChoiceState] = []
         self.ttft_s: float | None = None
         self.worker_ttft_ms: float | None = None
@@ -335,7 +341,8 @@ class Generation:
             priority=reservation.priority,
         )
         choice.stream = None
-        choice.stream = reservation.worker.start_request(message, reservation)
+        prompt = self.upstream_prompts[choice.prompt_index] if self.upstream_prompts else None
+        choice.stream = reservation.worker.start_request(message, reservation, prompt)
         choice.dispatched_at_s = time.perf_counter()
         if choice.first_token_deadline_s is None:
             choice.first_token_deadline_s = choice.dispatched_at_s + self.first_token_timeout_s
@@ -377,11 +384,12 @@ class Generation:
         stream = choice.stream
         while True:
             update = await self._next_update(choice)
-            if update.token_ids:
+            if update.token_ids or update.text:
                 if choice.completion_tokens == 0:
                     self.pool.record_success(choice.reservation)
-                self._observe_tokens(choice, update.token_ids, update.first_token_latency_ms)
-                text = choice.matcher.push(self._detokenize(choice, update))
+                self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
+                piece = self._detokenize(choice, update) if update.token_ids else update.text
+                text = choice.matcher.push(piece)
                 if text:
                     await self._emit(choice, text)
                 if choice.matcher.matched is not None:
@@ -412,7 +420,7 @@ class Generation:
             choice.logprobs.add(token_id, logprob, top_ids, top_logprobs, pieces[-1])
         return "".join(pieces)
 
-    def _observe_tokens(self, choice: ChoiceState, token_ids: list[int], worker_ttft_ms: float | None) -> None:
+    def _observe_tokens(self, choice: ChoiceState, num_tokens: int, worker_ttft_ms: float | None) -> None:
         now_s = time.perf_counter()
         if choice.completion_tokens == 0:
             if self.ttft_s is None:
@@ -422,9 +430,9 @@ class Generation:
                     self.worker_ttft_ms = worker_ttft_ms
                     self.metrics.gateway_overhead.observe(max(0.0, self.ttft_s - worker_ttft_ms / 1000.0))
         else:
-            self.metrics.inter_token_latency.observe((now_s - choice.last_token_at_s) / len(token_ids))
+            self.metrics.inter_token_latency.observe((now_s - choice.last_token_at_s) / num_tokens)
         choice.last_token_at_s = now_s
-        choice.completion_tokens += len(token_ids)
+        choice.completion_tokens += num_tokens
 
     async def _emit(self, choice: ChoiceState, text: str) -> None:
         choice.text_parts.append(text)

@@ -33,6 +33,7 @@ from gateway.pipeline.generate import FinishEvent, Generation
 from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import PromptTooLong, Tokenizer
+from gateway.upstream.request_body import UpstreamPrompt
 from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
@@ -210,6 +211,7 @@ class RequestPipeline:
             first_token_timeout_s=config.gateway.first_token_timeout_s,
             stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
             cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
+            upstream_prompts=_upstream_prompts(body) if runtime.config.backend == "openai" else None,
         )
         plan = Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
         if generation.sampling.logprobs:
@@ -283,6 +285,13 @@ def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail:
         f"This model's maximum context length is {context_tokens} tokens, but the prompt has at least "
         f"{num_tokens_at_least} tokens{detail}, leaving no room for output. Shorten the messages or the prompt.",
         param=param)
+
+
+def _upstream_prompts(body: OpenAIRequest) -> list[UpstreamPrompt]:
+    """Return what an upstream pool is sent per prompt: the chat messages, or each completion prompt."""
+    if isinstance(body, openai_api.ChatCompletionRequest):
+        return [UpstreamPrompt(messages=openai_api.chat_messages(body))]
+    return [UpstreamPrompt(prompt=prompt) for prompt in openai_api.completion_prompts(body)]
 
 
 def _sampling(body: OpenAIRequest) -> SamplingParams:

@@ -221,16 +221,17 @@ class Tokenizer:
         return cls(load_hf_tokenizer(model_path), num_threads, _generation_eos_ids(model_path))
 
     @classmethod
-    def for_model(cls, model: ModelConfig, num_threads: int = 2) -> "Tokenizer":
-        """Load the tokenizer of the served model: ``model.path`` (or the default GGUF), or for a synthetic model
-        the word-per-id tokenizer of :func:`shared.model_files.synthetic_tokenizer`."""
+    def for_model(cls, model: ModelConfig, num_threads: int = 2, model_path: str = "") -> "Tokenizer":
+        """Load the tokenizer of the served model: the one at ``model_path`` when given (an upstream pool's,
+        ``shared.config.tokenizer_model_path``), else ``model.path`` (or the default GGUF); for a synthetic model the
+        word-per-id tokenizer of :func:`shared.model_files.synthetic_tokenizer`."""
         if model.synthetic:
             from shared.model_files import synthetic_tokenizer
             from shared.synthetic_models import synthetic_shape
 
             shape = synthetic_shape(model.synthetic)
             return cls(synthetic_tokenizer(shape["vocab_size"], shape["eos_token_ids"]), num_threads)
-        return cls.from_model_path(resolve_model_path(model), num_threads)
+        return cls.from_model_path(model_path or resolve_model_path(model), num_threads)
 
     def close(self) -> None:
         """Stop the thread pool (pending encodes are cancelled)."""

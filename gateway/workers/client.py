@@ -45,6 +45,7 @@ from shared.protocol import (
 )
 
 if TYPE_CHECKING:
+    from gateway.upstream.request_body import UpstreamPrompt
     from gateway.workers.reservation import Reservation
 
 log = structlog.get_logger("sluice.gateway")
@@ -276,12 +277,15 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ requests
 
-    def start_request(self, message: Generate, reservation: "Reservation | None" = None) -> RequestStream:
+    def start_request(self, message: Generate, reservation: "Reservation | None" = None,
+                      prompt: "UpstreamPrompt | None" = None) -> RequestStream:
         """Register a stream for ``message.request_id`` and send the ``Generate`` frame.
 
         Args:
             message: the request.
             reservation: its reservation on this worker; its prefill backlog entry ends with the first token.
+            prompt: the client's messages or prompt, for an upstream (``gateway.upstream``); a worker reads the
+                token ids of ``message`` only.
 
         Raises:
             SluiceError: ``worker_failed`` when the connection is down (the request may be retried elsewhere).
@@ -293,6 +297,14 @@ class WorkerClient:
         self._streams[message.request_id] = stream
         self._send(self._codec.encode(message))
         return stream
+
+    def not_ready_reason(self) -> str | None:
+        """Return why this worker takes no request now (``/readyz``), or None when it can."""
+        if self.ready:
+            return None
+        if self.draining or (self.capacity is not None and self.capacity.draining):
+            return f"worker {self.name}: draining"
+        return f"worker {self.name} at {self.address}: " + ("not connected" if self._writer is None else "no Hello yet")
 
     def mark_draining(self) -> None:
         """Send no new request to this worker from now on (``ready`` turns False); the running ones go on."""

@@ -37,6 +37,8 @@ class StreamUpdate(msgspec.Struct, frozen=True):
         logprobs: per token of ``token_ids``, its log-probability (requests that asked for them; else empty).
         top_token_ids, top_logprobs: per token of ``token_ids``, the most likely alternatives and their
             log-probabilities (same condition).
+        text, num_text_tokens: new output text and its token count, from an upstream that streams text instead
+            of token ids (``gateway.upstream``); then ``token_ids`` is empty.
     """
 
     token_ids: list[int]
@@ -45,6 +47,13 @@ class StreamUpdate(msgspec.Struct, frozen=True):
     logprobs: list[float] = []
     top_token_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    text: str = ""
+    num_text_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """New output tokens: the token ids, or as many as the upstream's text chunks carried."""
+        return len(self.token_ids) + self.num_text_tokens
 
 
 class RequestStream:
@@ -61,6 +70,8 @@ class RequestStream:
         self._logprobs: list[float] = []
         self._top_token_ids: list[list[int]] = []
         self._top_logprobs: list[list[float]] = []
+        self._text_parts: list[str] = []  # from an upstream that streams text (gateway.upstream)
+        self._num_text_tokens = 0
         self._first_token_latency_ms: float | None = None
         self._finished: Finished | None = None
         self._error: SluiceError | None = None
@@ -82,6 +93,15 @@ class RequestStream:
             self._top_logprobs.extend(delta.top_logprobs or [[] for _ in delta.logprobs])
         if delta.first_token_latency_ms is not None:
             self._first_token_latency_ms = delta.first_token_latency_ms
+        self._wake()
+
+    def _push_text(self, text: str, num_tokens: int, first_token_latency_ms: float | None = None) -> None:
+        """Add output text of ``num_tokens`` tokens (an upstream's SSE chunk)."""
+        self._started()
+        self._text_parts.append(text)
+        self._num_text_tokens += num_tokens
+        if first_token_latency_ms is not None:
+            self._first_token_latency_ms = first_token_latency_ms
         self._wake()
 
     def _finish(self, finished: Finished) -> None:
@@ -114,11 +134,13 @@ class RequestStream:
         self._has_update = False
         token_ids, self._token_ids = self._token_ids, []
         latency_ms, self._first_token_latency_ms = self._first_token_latency_ms, None
-        if token_ids or self._finished is not None:
+        text, self._text_parts = "".join(self._text_parts), []
+        num_text_tokens, self._num_text_tokens = self._num_text_tokens, 0
+        if token_ids or text or self._finished is not None:
             # A failure that came with these tokens is reported by the next call, at once rather than after a wait.
             self._has_update = self._error is not None
             if not self._logprobs:
-                return StreamUpdate(token_ids, latency_ms, self._finished)
+                return StreamUpdate(token_ids, latency_ms, self._finished, text=text, num_text_tokens=num_text_tokens)
             logprobs, self._logprobs = self._logprobs, []
             top_ids, self._top_token_ids = self._top_token_ids, []
             top_logprobs, self._top_logprobs = self._top_logprobs, []

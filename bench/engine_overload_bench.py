@@ -1,0 +1,183 @@
+"""The overload claim on a real engine: llama.cpp's ``llama-server`` alone vs Sluice in front of it.
+
+1. ``llama-server`` (``--metrics``, ``--parallel`` slots, the default GGUF: SmolLM2-135M-Instruct Q4_1) on loopback.
+2. Its capacity for requests shaped like the trace window's, in requests/s: ``--capacity-requests`` of them
+   (``ignore_eos``) with its slots kept full, straight at it.
+   A Sluice gateway whose only pool is that server (``backend = "openai"``, ``engine = "llama.cpp"``, no worker of
+   its own) reads its load from llama.cpp's ``/metrics``.
+3. The Azure 2023 conversation trace (a window of ``--requests`` requests, prompts clipped to
+   ``--max-input-tokens``), rate-scaled to ``--multiple`` × that capacity, tiers vip/standard/free 20/60/20, replayed
+   open-loop (``loadtest.replay``) twice: (a) straight at ``llama-server`` (it ignores tiers: one FIFO), (b) through
+   Sluice (tier queues, deadlines at 0.8 × each tier's TTFT SLO, early rejection with ``Retry-After``). Prompts of
+   the two runs differ (no prefix-cache carry-over).
+
+Reports per tier: TTFT SLO attainment (vip 1 s, standard and free 5 s), goodput (answers within their tier's SLO
+per second of offered window), rejections and whether each carried ``Retry-After``. Writes
+``bench/results/engine_overload.json``. Targets: vip attainment ≥ 99% through Sluice; goodput ≥ 1.5× direct.
+
+    .venv/bin/python -m bench.engine_overload_bench --llama-server /work/peers/llama-server \\
+        [--requests 120] [--multiple 2] [--parallel 4]
+
+Bounded: each replay's arrivals span at most ``--duration-s`` seconds and it drains for at most
+``--drain-timeout-s``; run it alone on the machine (``/work/QUIET``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
+
+from bench.serving_bench import llama_server  # noqa: E402
+from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from loadtest.replay import ReplayOptions, clipped_input_tokens, prepare_requests, run_replay  # noqa: E402
+from loadtest.sizing import rate_scale_for  # noqa: E402
+from loadtest.summary import format_table, summarize  # noqa: E402
+from shared.config import DEFAULT_TIERS, default_model_path  # noqa: E402
+from tests.support.server import SluiceProcess  # noqa: E402
+
+TIER_MIX = {"vip": 0.2, "standard": 0.6, "free": 0.2}
+SLO_TTFT_S = {"vip": 1.0, "standard": 5.0, "free": 5.0}
+DEADLINE_FRACTION_OF_SLO = 0.8  # each tier's queue deadline as a share of its TTFT SLO (as bench/replay_bench.py)
+RESULT_PATH = REPO / "bench" / "results" / "engine_overload.json"
+
+
+def gateway_config(llama_url: str, parallel: int) -> str:
+    """Return the config of Sluice in front of ``llama_url``: default tier vip (the replay's header lowers it),
+    each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO."""
+    lines = ['default_tier = "vip"', "", "[worker]", "num_local_workers = 0", "",
+             "[model]", "max_model_len_tokens = 2048", "",
+             "[[pools]]", 'name = "llamacpp"', 'backend = "openai"', 'engine = "llama.cpp"',
+             f'upstreams = ["{llama_url}"]', f'tokenizer = "{default_model_path()}"',
+             f"max_concurrency = {parallel}", ""]
+    for tier in DEFAULT_TIERS:
+        queue_timeout_s = DEADLINE_FRACTION_OF_SLO * SLO_TTFT_S.get(tier.name, tier.queue_timeout_s)
+        lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
+                  f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {queue_timeout_s}",
+                  f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
+                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}",
+                  f"reserved_slot_fraction = {tier.reserved_slot_fraction}", ""]
+    return "\n".join(lines)
+
+
+async def engine_capacity_per_s(llama_url: str, requests, builder: PromptBuilder, max_input_tokens: int,
+                                concurrency: int, num_requests: int) -> dict:
+    """Measure the engine's saturated throughput for requests shaped like the trace's: ``num_requests`` of them
+    (prompt clipped like the replay's, output the trace's with ``ignore_eos``), ``concurrency`` at a time (its
+    slots kept full), straight at ``llama-server``; return completed requests/s."""
+    sample = requests[:num_requests]
+    inputs = [clipped_input_tokens(r, 2048, max_input_tokens) for r in sample]
+    outputs = [max(1, r.output_tokens) for r in sample]
+    texts = [builder.user_text(tokens, 9_000_000 + i) for i, tokens in enumerate(inputs)]
+    pending = list(range(len(sample)))
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while pending:
+            i = pending.pop()
+            body = {"messages": [{"role": "user", "content": texts[i]}], "max_tokens": outputs[i],
+                    "temperature": 0, "ignore_eos": True}
+            async with session.post(llama_url + "/v1/chat/completions", json=body) as response:
+                response.raise_for_status()
+                await response.read()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        elapsed_s = time.perf_counter() - started
+    return {"requests_per_s": len(sample) / elapsed_s, "num_requests": len(sample), "concurrency": concurrency,
+            "elapsed_s": round(elapsed_s, 2), "mean_input_tokens": statistics.fmean(inputs),
+            "mean_output_tokens": statistics.fmean(outputs)}
+
+
+def replay_summary(base_url: str, requests, builder: PromptBuilder, max_input_tokens: int, salt: int,
+                   drain_timeout_s: float) -> dict:
+    options = ReplayOptions(base_url, SLO_TTFT_S, prompt_salt=salt, max_input_tokens=max_input_tokens,
+                            drain_timeout_s=drain_timeout_s, status_interval_s=1.0)
+    run = asyncio.run(run_replay(list(requests), options, builder))
+    summary = summarize(run.results, SLO_TTFT_S)
+    print(format_table(summary))
+    return {"wall_s": round(run.wall_s, 2), "summary": summary}
+
+
+def clip_outputs(requests, max_output_tokens: int):
+    """Return the requests with answers of at most ``max_output_tokens`` tokens (a CPU engine serves the trace's
+    answers, hundreds of tokens each, at a few requests per minute)."""
+    from dataclasses import replace
+
+    return [replace(r, output_tokens=min(r.output_tokens, max_output_tokens)) for r in requests]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "/work/peers/llama-server"))
+    parser.add_argument("--requests", type=int, default=120, help="trace requests per replay")
+    parser.add_argument("--multiple", type=float, default=2.0, help="offered load ÷ measured capacity")
+    parser.add_argument("--parallel", type=int, default=4, help="llama-server slots (--parallel)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--capacity-requests", type=int, default=16, help="requests of the capacity measurement")
+    parser.add_argument("--max-input-tokens", type=int, default=256)
+    parser.add_argument("--max-output-tokens", type=int, default=48)
+    parser.add_argument("--duration-s", type=float, default=90.0, help="most seconds of arrivals per replay")
+    parser.add_argument("--drain-timeout-s", type=float, default=60.0)
+    parser.add_argument("--start-s", type=float, default=0.0, help="trace time the window starts at")
+    parser.add_argument("--output", default=str(RESULT_PATH))
+    args = parser.parse_args(argv)
+
+    builder = PromptBuilder(load_tokenizer())
+    unscaled = clip_outputs(prepare_requests("azure-conv", 1.0, args.requests, None, TIER_MIX, seed=0,
+                                             start_s=args.start_s), args.max_output_tokens)
+    started = time.perf_counter()
+    with llama_server(args.llama_server, default_model_path(), parallel=args.parallel, threads=args.threads,
+                      ctx_per_slot=2048, extra_args=["--metrics"]) as llama_url:
+        gateway = SluiceProcess(gateway_config(llama_url, args.parallel), min_ready_workers=1).start()
+        try:
+            capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,
+                                                         args.parallel, args.capacity_requests))
+            rate_scale = rate_scale_for(args.multiple, capacity["requests_per_s"], unscaled)
+            requests = clip_outputs(prepare_requests("azure-conv", rate_scale, args.requests, args.duration_s,
+                                                     TIER_MIX, seed=0, start_s=args.start_s), args.max_output_tokens)
+            print(f"capacity {capacity['requests_per_s']:.3f} requests/s ({capacity['num_requests']} requests "
+                  f"{capacity['concurrency']} at a time in {capacity['elapsed_s']} s); replaying "
+                  f"{len(requests)} requests at {args.multiple:g}x (rate scale {rate_scale:.4g})")
+            print("(a) straight at llama-server")
+            direct = replay_summary(llama_url, requests, builder, args.max_input_tokens, 1, args.drain_timeout_s)
+            print("(b) through Sluice")
+            sluice = replay_summary(gateway.base_url, requests, builder, args.max_input_tokens, 2,
+                                    args.drain_timeout_s)
+        finally:
+            gateway.stop()
+    direct_goodput = direct["summary"]["all"]["goodput_per_s"] or 0.0
+    sluice_goodput = sluice["summary"]["all"]["goodput_per_s"] or 0.0
+    vip = sluice["summary"]["tiers"].get("vip", {})
+    result = {
+        "bench": "engine_overload", "engine": "llama.cpp llama-server", "model": Path(default_model_path()).name,
+        "options": vars(args), "capacity": capacity, "rate_scale": rate_scale, "num_requests": len(requests),
+        "slo_ttft_s": SLO_TTFT_S, "direct": direct, "sluice": sluice,
+        "checks": {
+            "vip_attainment_through_sluice": vip.get("slo_attainment"),
+            "vip_attainment_at_least_99pct": (vip.get("slo_attainment") or 0.0) >= 0.99,
+            "goodput_ratio_sluice_over_direct": sluice_goodput / direct_goodput if direct_goodput else None,
+            "goodput_at_least_1_5x": direct_goodput > 0 and sluice_goodput >= 1.5 * direct_goodput,
+            "all_rejections_have_retry_after": sluice["summary"]["all"]["all_rejections_have_retry_after"],
+        },
+        "wall_s": round(time.perf_counter() - started, 1),
+        "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0]},
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["checks"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""Build the :class:`~gateway.upstream.client.UpstreamClient` of one upstream URL of a ``backend = "openai"`` pool."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from gateway.upstream.client import UpstreamClient
+from gateway.workers.breaker import CircuitBreaker
+from shared.config import Config, ConfigError, PoolConfig
+from shared.protocol import Capacity
+
+
+def upstream_api_key(pool: PoolConfig) -> str:
+    """Return the bearer token for the pool's upstreams: ``api_key``, else the variable ``api_key_env`` names.
+
+    Raises:
+        ConfigError: ``api_key_env`` names a variable that is not set.
+    """
+    if pool.api_key or not pool.api_key_env:
+        return pool.api_key
+    value = os.environ.get(pool.api_key_env)
+    if value is None:
+        raise ConfigError(f"pools[{pool.name}].api_key_env: the variable {pool.api_key_env} is not set")
+    return value
+
+
+def make_upstream_client(pool: PoolConfig, url: str, name: str, config: Config,
+                         on_capacity: Callable[[str, Capacity], None], breaker: CircuitBreaker) -> UpstreamClient:
+    """Return the client of upstream ``url`` of ``pool`` (started by the fleet with the other remote workers)."""
+    return UpstreamClient(url, name, engine=pool.engine, model=pool.upstream_model or pool.model_name,
+                          max_concurrency=pool.max_concurrency, kv_capacity_tokens=pool.kv_capacity_tokens,
+                          max_model_len_tokens=config.model.max_model_len_tokens,
+                          metrics_interval_s=pool.metrics_interval_s, api_key=upstream_api_key(pool),
+                          on_capacity=on_capacity, breaker=breaker)

@@ -1,0 +1,80 @@
+"""The engine metrics parsers on recorded ``/metrics`` texts shaped like each engine's (tests/fixtures/
+engine_metrics/), the rates from their token counters, and the upstream SSE chunk decoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.upstream.engine_metrics import (
+    EngineSnapshot,
+    MetricsParseError,
+    parse_engine_metrics,
+    parse_llamacpp_slots,
+)
+from gateway.upstream.rates import UpstreamRates
+from gateway.upstream.sse import SSEFormatError, UpstreamDelta, decode_event
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics"
+
+
+@pytest.mark.parametrize(("fixture", "engine", "expected"), [
+    ("vllm.txt", "vllm", EngineSnapshot(7, 3, 0.4125, 18211.0, 52044.0)),
+    ("vllm_v0.txt", "vllm", EngineSnapshot(2, 0, 0.07, 1234.0, 5678.0)),  # gpu_cache_usage_perc before v0.10
+    ("sglang.txt", "sglang", EngineSnapshot(162, 2826, 0.28, 8128902.0, 7557572.0, kv_capacity_tokens=161721,
+                                            reported_decode_tokens_per_s=2994.28)),
+    ("llamacpp.txt", "llama.cpp", EngineSnapshot(4, 1, 0.25, 6886.0, 3469.0, reported_prefill_tokens_per_s=237.2,
+                                                 reported_decode_tokens_per_s=97.9)),
+    ("tgi.txt", "tgi", EngineSnapshot(5, 9, None, 30210.0, 14820.0)),
+])
+def test_parsers_read_each_engines_metrics(fixture, engine, expected):
+    assert parse_engine_metrics(engine, (FIXTURES / fixture).read_text()) == expected
+
+
+def test_a_metrics_text_of_another_engine_is_an_error_naming_the_missing_gauge():
+    with pytest.raises(MetricsParseError, match="vllm:num_requests_running"):
+        parse_engine_metrics("vllm", (FIXTURES / "sglang.txt").read_text())
+    with pytest.raises(ValueError, match="engines with one"):
+        parse_engine_metrics("generic", "")
+
+
+def test_label_sets_are_summed():
+    text = ('vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 3\n'
+            'vllm:num_requests_waiting{engine="1"} 4\n')
+    assert parse_engine_metrics("vllm", text) == EngineSnapshot(5, 4)
+
+
+def test_llamacpp_slots_count_busy_and_total():
+    assert parse_llamacpp_slots(json.loads((FIXTURES / "llamacpp_slots.json").read_text())) == (2, 4)
+
+
+def test_rates_come_from_counter_increases_while_busy():
+    rates = UpstreamRates()
+    rates.observe(10.0, 1000, 500, busy=True)
+    assert rates.busy_tokens_per_s == 0.0  # one reading: no interval yet
+    rates.observe(11.0, 1400, 600, busy=True)
+    assert (rates.prefill_tokens_per_s, rates.decode_tokens_per_s) == (400.0, 100.0)
+    rates.observe(20.0, 1400, 600, busy=False)  # idle: the rates stay what the engine does when it works
+    assert rates.busy_tokens_per_s == 500.0
+    rates.observe(21.0, 10, 5, busy=True)  # counters went back: the engine restarted
+    assert rates.busy_tokens_per_s == 500.0
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ('{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}', UpstreamDelta()),
+    ('{"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', UpstreamDelta("Hi")),
+    ('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":null}', UpstreamDelta("", "length")),
+    ('{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"total_tokens":13,'
+     '"prompt_tokens_details":{"cached_tokens":8}}}', UpstreamDelta("", None, 9, 4, 8)),
+    ('{"choices":[{"index":0,"text":" there","finish_reason":"stop"}]}', UpstreamDelta(" there", "stop")),
+    ('{"error":{"message":"CUDA out of memory","type":"server_error"}}', UpstreamDelta(error="CUDA out of memory")),
+])
+def test_sse_events_of_the_engines_decode_to_text_finish_and_usage(data, expected):
+    assert decode_event(data) == expected
+
+
+def test_a_data_line_that_is_not_json_is_an_error():
+    with pytest.raises(SSEFormatError):
+        decode_event("<html>502 Bad Gateway</html>")

@@ -1,0 +1,134 @@
+"""An upstream pool inside the gateway, in process: its config, its place in a mixed fleet (degrade routing from our
+workers' pool to it), and an :class:`UpstreamClient` against an HTTP server that answers with a recorded vLLM
+``/metrics`` text (tests/fixtures/engine_metrics/vllm.txt) and, for generation, with HTTP 429: the overload answer no
+engine gives on demand. The real engine end to end is tests/gateway/test_upstream_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from gateway.fleet.fleet import Fleet
+from gateway.metrics import Metrics
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.request_body import UpstreamPrompt
+from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.pool import WorkerPool
+from shared.config import Config, ConfigError, effective_pools, effective_tiers, validate_pool_config
+from shared.errors import ErrorCode, SluiceError
+from shared.protocol import Generate, SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+VLLM_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics" / "vllm.txt").read_text()
+WAIT_S = 30.0
+
+
+def mixed_config(upstream_url: str = "http://127.0.0.1:9") -> Config:
+    return msgspec.convert({
+        "default_tier": "standard",
+        "tiers": [{"name": "vip", "priority": 3},
+                  {"name": "standard", "priority": 2},
+                  {"name": "free", "priority": 1, "degrade_pool": "engine", "degrade_at": "elevated"}],
+        "pools": [{"name": "ours", "backend": "sim", "min_workers": 0, "max_workers": 0},
+                  {"name": "engine", "model_name": "small-model", "backend": "openai", "engine": "vllm",
+                   "upstreams": [upstream_url], "upstream_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                   "min_workers": 2, "max_workers": 3}],
+    }, Config)
+
+
+def test_an_upstream_pool_has_no_local_workers_and_needs_http_upstreams():
+    pools = {pool.name: pool for pool in effective_pools(mixed_config())}
+    assert (pools["engine"].min_workers, pools["engine"].max_workers) == (0, 0)
+    assert pools["engine"].upstream_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for pool, message in [({"name": "p", "backend": "openai"}, r"pools\[0\].upstreams: .* needs at least one URL"),
+                          ({"name": "p", "backend": "openai", "upstreams": ["localhost:8000"]}, "not an http"),
+                          ({"name": "p", "backend": "sim", "upstreams": ["http://h:1"]}, "only a pool with")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_pool_config(msgspec.convert({"pools": [pool]}, Config))
+    with pytest.raises(msgspec.ValidationError, match="engine"):
+        msgspec.convert({"pools": [{"name": "p", "backend": "openai", "engine": "ollama"}]}, Config)
+
+
+async def test_mixed_fleet_degrades_a_tier_from_our_workers_to_the_upstream_pool():
+    fleet = Fleet(mixed_config(), Metrics(), spawn_local=False)
+    tiers = {tier.name: tier for tier in effective_tiers(fleet.config)}
+    ours, engine = fleet.runtimes["ours"], fleet.runtimes["engine"]
+    assert [type(c).__name__ for c in engine.pool.clients] == ["UpstreamClient"]
+    assert fleet.scaling.max_local(engine) == 0 and not fleet.is_ready()  # the upstream was never polled
+    assert fleet.route(MODEL, tiers["free"]).runtime is ours
+    ours.pressure.observe(queue_wait_s=2.5, kv_used_fraction=0.0)  # elevated
+    route = fleet.route(MODEL, tiers["free"])
+    assert (route.runtime, route.degraded, route.requested) == (engine, True, ours)
+    assert fleet.route(MODEL, tiers["vip"]).runtime is ours
+    assert fleet.route("small-model", tiers["vip"]).runtime is engine
+    await fleet.close()
+
+
+@pytest.fixture
+async def recorded_vllm():
+    """An HTTP server on loopback with vLLM's recorded /metrics; its chat endpoint answers 429, Retry-After: 2."""
+    calls: list[dict] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=VLLM_METRICS)
+
+    async def chat(request: web.Request) -> web.Response:
+        calls.append(await request.json())
+        return web.json_response({"error": {"message": "too many requests", "type": "rate_limit"}}, status=429,
+                                 headers={"Retry-After": "2"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", calls
+    await runner.cleanup()
+
+
+async def wait_until(predicate, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_out_for_its_retry_after(
+        recorded_vllm):
+    url, calls = recorded_vllm
+    client = UpstreamClient(url, "vllm-0", engine="vllm", model="m", max_concurrency=8,
+                            kv_capacity_tokens=16000, metrics_interval_s=0.05, breaker=CircuitBreaker(3, 60.0))
+    pool = WorkerPool([client])
+    client.start()
+    try:
+        await wait_until(lambda: client.ready and client.capacity is not None, "the first poll")
+        capacity = client.capacity
+        assert (capacity.num_running, capacity.num_waiting, capacity.total_kv_blocks) == (7, 3, 1000)
+        assert capacity.used_kv_blocks == 412  # kv_cache_usage_perc 0.4125 of 1000 blocks
+        assert client.hello.max_num_seqs == 8 and pool.total_sequence_slots() == 8
+        reservation = pool.try_reserve(10, "standard", list(range(40)))
+        assert reservation is not None and reservation.worker is client
+
+        message = Generate("r-1", list(range(40)), SamplingParams(temperature=0.0, seed=7), max_tokens=5)
+        stream = client.start_request(message, reservation, UpstreamPrompt(messages=[{"role": "user",
+                                                                                      "content": "hi"}]))
+        with pytest.raises(SluiceError) as info:
+            await stream.next_update(WAIT_S)
+        pool.release(reservation)
+        assert info.value.code is ErrorCode.SERVER_OVERLOADED and info.value.retry_after_s == 2
+        assert calls == [{"model": "m", "max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "stream": True,
+                          "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hi"}],
+                          "seed": 7}]
+        assert pool.try_reserve(10, "standard", list(range(40))) is None  # out until its Retry-After passes
+        assert client.breaker.snapshot()["consecutive_failures"] == 0  # overload is not ill health
+        await wait_until(lambda: client.can_take(10), "the Retry-After to pass")
+    finally:
+        await client.close()

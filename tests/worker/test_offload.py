@@ -286,6 +286,8 @@ def test_redis_tier_round_trip_key_layout_ttl_and_size_cap(redis_client, model_i
     for i in range(1, 7):
         assert tier.put(block(1000 + i, fill=i))
         assert tier.used_bytes <= tier.capacity_bytes
+    assert tier.get(1006).token_ids == tuple(range(1006, 1010))  # readable before the writer sent it
+    assert tier.flush(timeout_s=30)
     keys = sorted(k.decode() for k in redis_client.scan_iter(match=redis_key_prefix(model_id, "float32") + "*"))
     assert keys == [f"sluice:kv:{model_id}:float32:{1000 + i:016x}" for i in (4, 5, 6)]
     assert sum(redis_client.strlen(k) for k in keys) < 3 * BLOCK_BYTES + 3 * 100  # data + small header
@@ -305,6 +307,7 @@ def test_redis_ttl_follows_a_shorter_block_retention(redis_client, model_id):
     clock = FakeClock()
     tier = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, ttl_s=3600.0, clock=clock)
     tier.put(block(5, expires_at_s=clock.now_s + 2.0))
+    assert tier.flush(timeout_s=30)
     assert 0 < redis_client.pttl(tier.key(5)) <= 2000
 
 
@@ -313,7 +316,8 @@ def test_redis_down_is_logged_once_counted_and_never_raises():
     url = f"redis://127.0.0.1:{closed_port()}/0"
     tier = RedisTier(url, "m", "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, timeout_s=0.2, retry_s=0.0, stats=stats)
     with capture_logs() as logs:
-        assert not tier.put(block(1))
+        assert tier.put(block(1))  # queued: the writer's failure is reported on the next call
+        assert tier.flush(timeout_s=30)
         assert tier.contains_many([1, 2]) == [False, False]
         assert tier.get(1) is None
     assert stats.get("redis_errors_total") == 3
@@ -324,6 +328,41 @@ def test_redis_down_is_logged_once_counted_and_never_raises():
     backoff.contains(1)
     backoff.contains(1)
     assert backoff.stats.get("redis_errors_total") == 1  # no call while marked down
+
+
+def test_redis_writes_leave_the_engine_thread_and_queued_blocks_are_read_from_memory():
+    """A server that accepts connections but never answers: a synchronous SET would wait for the timeout and fail;
+    the tier queues the block, serves it from memory, and reports the writer's timeout on the next call."""
+    import socket
+
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)
+        url = f"redis://127.0.0.1:{stalled.getsockname()[1]}/0"
+        stats = KVStats()
+        tier = RedisTier(url, "m", "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, timeout_s=0.5, retry_s=60.0, stats=stats)
+        assert tier.put_many([block(1, fill=1), block(2, fill=2)]) == [True, True]
+        assert stats.get("redis_errors_total") == 0
+        got = tier.get(2)
+        assert got is not None and torch.equal(got.data, torch.full((BLOCK_BYTES,), 2, dtype=torch.uint8))
+        assert tier.contains_many([1, 2, 3]) == [True, True, False] or stats.get("redis_errors_total") == 1
+        assert tier.flush(timeout_s=30)
+        assert stats.get("redis_errors_total") >= 1 and stats.snapshot()["redis_up"] == 0.0
+        assert not tier.put(block(3))  # marked down: nothing is queued
+        tier.close()
+
+
+def test_redis_block_dropped_before_or_after_its_write_leaves_no_key(redis_client, model_id):
+    tier = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, capacity_bytes=8 * BLOCK_BYTES)
+    tier.put_many([block(10), block(11)])
+    tier.discard(10)  # most likely still queued: never written
+    assert tier.flush(timeout_s=30)
+    tier.discard(11)  # written: deleted by the writer
+    tier.put(block(12))
+    assert tier.flush(timeout_s=30)
+    keys = sorted(k.decode() for k in redis_client.scan_iter(match=redis_key_prefix(model_id, "float32") + "*"))
+    assert keys == [tier.key(12)]
+    tier.close()
 
 
 # ---------------------------------------------------------------- cost model

@@ -257,6 +257,46 @@ def test_chain_demotes_a_batch_through_host_and_disk_and_reloads_exactly_what_wa
     chain.close()
 
 
+def test_chain_demotes_straight_from_the_pool_into_host_slots_and_pushes_host_blocks_to_disk_intact(tmp_path):
+    """A batch that fits host RAM goes from the pool into the host slots with no staging copy (no read_blocks); the
+    next batch pushes those blocks on to disk; every block reloads exactly."""
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    io.read_blocks = lambda block_ids, out=None: pytest.fail("staging copy on a CPU pool")
+    stats = KVStats()
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path), stats=stats)
+    host = HostTier(3 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)
+    chain = OffloadChain([host, disk], io, CostModel({"host": 1e9, "disk": 1e9}, 1e3), stats=stats)
+    originals = {block_id: kv[:, :, block_id].clone() for block_id in range(6)}
+    evicted = [(block_id, 100 + block_id, None, list(range(block_id, block_id + 4)), float("inf"))
+               for block_id in range(6)]
+    assert chain.demote_many(evicted[:3]) == [True] * 3
+    assert chain.demote_many(evicted[3:]) == [True] * 3
+    assert chain.demote_many([(7, 500, None, [0, 0, 0, 0], 0.0)]) == [False]  # expired: not stored
+    kv.zero_()
+    assert chain.find([100 + i for i in range(6)], 0) == ["disk"] * 3 + ["host"] * 3
+    assert stats.get("offloaded_blocks", tier="host") == 6 and stats.get("offloaded_blocks", tier="disk") == 3
+    for block_id in range(6):
+        assert chain.load("disk" if block_id < 3 else "host", block_id, 100 + block_id, None, evicted[block_id][3])
+        assert torch.equal(kv[:, :, block_id], originals[block_id])
+    chain.close()
+
+
+def test_reusable_rows_hand_back_buffers_and_stacked_rows_reads_consecutive_rows_without_a_copy():
+    from worker.kv_cache.offload.base import ReusableRows, stacked_rows
+
+    rows = ReusableRows(row_bytes=8, max_spare_buffers=1)
+    first = rows.take(5)  # 8 rows underneath (a power of two)
+    assert first.shape == (5, 8)
+    rows.release(first)
+    again = rows.take(7)
+    assert again.data_ptr() == first.data_ptr()  # the released buffer, not new memory
+    assert rows.take(3).data_ptr() != again.data_ptr()  # taken: not handed out twice
+    buffer = torch.arange(32, dtype=torch.uint8).reshape(4, 8).clone()  # its own storage, as a staging buffer
+    assert stacked_rows([buffer[1], buffer[2]]).data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(stacked_rows([buffer[2], buffer[1]]), torch.stack([buffer[2], buffer[1]]))
+
+
 def test_chain_reload_verifies_token_ids_so_no_other_conversation_is_served(tmp_path):
     kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     io = KVBlockIO(kv)
@@ -418,7 +458,7 @@ def test_blocks_one_allocation_evicts_are_demoted_in_one_copy_and_reload_exactly
     io = KVBlockIO(kv)
     reads: list[list[int]] = []
     read_blocks = io.read_blocks
-    io.read_blocks = lambda block_ids: reads.append(list(block_ids)) or read_blocks(block_ids)
+    io.read_blocks = lambda block_ids, out=None: reads.append(list(block_ids)) or read_blocks(block_ids, out)
     stats = KVStats()
     disk = DiskTier(16 * BLOCK_BYTES, str(tmp_path), stats=stats)
     host = HostTier(2 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)

@@ -32,7 +32,7 @@ import msgspec
 import structlog
 import torch
 
-from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier, _Entry
+from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier, ReusableRows, _Entry
 from worker.kv_cache.stats import KVStats
 
 log = structlog.get_logger("sluice.worker.kv")
@@ -55,7 +55,8 @@ class _Batch:
     def __init__(self, keys: list[str], data: torch.Tensor, headers: list[tuple[int | None, tuple[int, ...]]],
                  ttls_ms: list[int]) -> None:
         self.keys = keys
-        self.data: torch.Tensor | None = data  # [n, block_bytes] uint8 until sent
+        self.rows = data  # [n, block_bytes] uint8 taken from the tier's ReusableRows; the writer hands it back
+        self.data: torch.Tensor | None = data  # the same rows, readable until sent
         self.headers = headers
         self.ttls_ms = ttls_ms
         self.nbytes = data.numel()
@@ -99,6 +100,7 @@ class RedisTier(OffloadTier):
         self.retry_s = retry_s
         self.max_pending_bytes = max_pending_bytes
         self.pending_bytes = 0
+        self._reusable_rows = ReusableRows(block_bytes)
         self.is_up = True
         self._down_until_s = 0.0  # time.monotonic()
         self._lock = threading.Lock()
@@ -228,21 +230,28 @@ class RedisTier(OffloadTier):
         return self._store_many([block])[0]
 
     def _store_many(self, blocks: Sequence[OffloadedBlock]) -> list[tuple[_Batch, int] | None]:
-        """Copy the batch into memory and queue it for the writer; all None when the queue is full."""
-        nbytes = sum(block.data.numel() for block in blocks)
+        """Copy the batch into memory and queue it for the writer; None for a block not ``block_bytes`` long, all
+        None when the queue is full."""
+        handles: list[tuple[_Batch, int] | None] = [None] * len(blocks)
+        fits = [pos for pos, block in enumerate(blocks) if block.data.numel() == self.block_bytes]
+        if not fits:
+            return handles
         with self._lock:
-            if self.pending_bytes + nbytes > self.max_pending_bytes:
-                self.stats.add("offload_dropped_blocks", len(blocks), tier=self.name)
-                return [None] * len(blocks)
-            self.pending_bytes += nbytes
+            if self.pending_bytes + len(fits) * self.block_bytes > self.max_pending_bytes:
+                self.stats.add("offload_dropped_blocks", len(fits), tier=self.name)
+                return handles
+            self.pending_bytes += len(fits) * self.block_bytes
             self._num_queued += 1
         now_s = self.clock()
-        data = torch.stack([block.data.reshape(-1) for block in blocks])  # owned: the caller may reuse its memory
-        batch = _Batch([self.key(block.block_hash) for block in blocks], data,
-                       [(block.parent_hash, block.token_ids) for block in blocks],
-                       [max(1, int(min(self.ttl_s, block.expires_at_s - now_s) * 1000)) for block in blocks])
+        data = self._reusable_rows.take(len(fits))  # owned: the caller may reuse its memory
+        torch.stack([blocks[pos].data.reshape(-1) for pos in fits], out=data)
+        batch = _Batch([self.key(blocks[pos].block_hash) for pos in fits], data,
+                       [(blocks[pos].parent_hash, blocks[pos].token_ids) for pos in fits],
+                       [max(1, int(min(self.ttl_s, blocks[pos].expires_at_s - now_s) * 1000)) for pos in fits])
         self._queue.put(batch)
-        return [(batch, row) for row in range(len(blocks))]
+        for row, pos in enumerate(fits):
+            handles[pos] = (batch, row)
+        return handles
 
     def _load(self, entry: _Entry) -> None:
         return None  # never demoted further; reads go through get()
@@ -305,6 +314,7 @@ class RedisTier(OffloadTier):
         with self._lock:
             self.pending_bytes -= batch.nbytes
             batch.data = None
+        self._reusable_rows.release(batch.rows)
         return outcome
 
     def _send(self, fill: Callable[[object], None], op: str) -> tuple[str, BaseException | None] | None:

@@ -1,7 +1,8 @@
 """What KV lifetime is worth end to end: returning chats against ``sluice serve`` on the CPU, offload tiers off /
 host RAM / host RAM + disk, with a device pool deliberately too small for the conversations in flight.
 
-Workload: the Mooncake conversation trace's prefix structure (``../shared/data/mooncake_fast25``) turned into text.
+The servers hold float32 weights (the CPU kernels of the quantized ones are far slower at prefill). Workload: the
+Mooncake conversation trace's prefix structure (``../shared/data/mooncake_fast25``) turned into text.
 The first ``--conversations`` conversations (a conversation = the requests sharing the first block after the block
 every request shares) with at least two turns are replayed in trace order, interleaved as in the trace, one request
 at a time (time compressed: the order is what matters for the cache). Each trace block becomes
@@ -46,6 +47,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -73,6 +75,7 @@ OUTPUT_TOKENS = 4
 SERVER_CONFIG = """
 [model]
 max_model_len_tokens = 2048
+weights = "float32"
 [gateway]
 max_tokens_cap = 64
 [worker]
@@ -197,6 +200,8 @@ async def interleaved_replay(servers: dict[str, SluiceProcess], prompts: list[tu
                     out[name]["results"].append({**result, "returning": returning, "round": round_idx})
                 await asyncio.sleep(settle_s)
                 out[name]["cpu_s"] += session_cpu_s(servers[name].process.pid) - cpu_before_s
+                ttfts_ms = [r["ttft_ms"] for r in out[name]["results"] if r["round"] == round_idx and r["ttft_ms"]]
+                print(f"round {round_idx} {name}: TTFT p50 {percentile(ttfts_ms, 50):.0f} ms", flush=True)
     return out
 
 
@@ -241,8 +246,12 @@ def run_part(part: str, prompts: list[tuple[str, bool]], args: argparse.Namespac
             config = SERVER_CONFIG.format(kv_cache_gib=args.kv_cache_gib, threads=args.threads, policy=args.policy,
                                           host_cache_gib=host_gib, disk_cache_gib=disk_gib, disk_cache_dir=disk_dir,
                                           redis_url=args.redis_url if redis_gib else "", redis_cache_gib=redis_gib)
-            servers[name] = stack.enter_context(SluiceProcess(config, min_ready_workers=1, start_timeout_s=600,
-                                                              inherit_sluice_env=True))
+            server = SluiceProcess(config, min_ready_workers=1, start_timeout_s=600, inherit_sluice_env=True)
+            stack.callback(server.close)
+            servers[name] = server.start(wait=False)  # the servers load their models at the same time
+        for server in servers.values():
+            server.wait_ready()
+        print(f"{part}: servers ready", flush=True)
         started_s = time.perf_counter()
         replayed = asyncio.run(interleaved_replay(servers, prompts, args.round_requests, args.settle_s))
         summaries = {}
@@ -285,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--miss-requests", type=int, default=48, help="requests of the miss_penalty part")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help='"" leaves the Redis config out')
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout stops the servers on the way out
     chosen = select_conversations(load_trace(TRACE), args.conversations, args.max_turns)
     prompts = {
         "returning": [(" ".join(block_text(h, args.words_per_block) for h in request.block_hashes[:args.max_blocks]),
@@ -308,8 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         started_s = time.perf_counter()
         result[part] = run_part(part, prompts[part], args)
         print(f"{part}: {time.perf_counter() - started_s:.0f} s", flush=True)
-    for stale in ("returning_chats", "nothing_returns", "miss_penalty_ttft_p50_tiers_on", "elapsed_s"):
-        result.pop(stale, None)  # the layout before the parts
+    stale = {"returning": ("returning_chats",), "miss_penalty": ("nothing_returns", "miss_penalty_ttft_p50_tiers_on")}
+    for part, keys in stale.items():  # the layout before the parts, with configurations run one after another
+        for key in keys if part in result else ():
+            result.pop(key, None)
+    result.pop("elapsed_s", None)
     write_result(RESULT_NAME, result)
     return 0
 

@@ -8,8 +8,9 @@ The header travels with the data so a reload verifies the token ids the bytes we
 that could disagree with the file. The folder is private to the worker (created at start, removed at close);
 nothing survives a restart, so no stale file from another model or dtype can ever be read.
 
-The engine thread never waits for the disk: :meth:`DiskTier.put_many` copies the batch into memory and queues it;
-the writer thread writes it to a temporary name and renames it into place, then lets go of the memory copy. A
+The engine thread never waits for the disk: :meth:`DiskTier.put_many` copies the batch into memory (a buffer the
+writer handed back, :class:`~worker.kv_cache.offload.base.ReusableRows`) and queues it; the writer thread writes it
+to a temporary name and renames it into place, then hands the memory back. A
 lookup in between is served from the memory copy, so a block is readable the moment it is stored and a lookup never
 sees a half-written file. The queue is bounded in bytes (``max_pending_bytes``): a batch that would exceed it is
 dropped (counted in ``offload_dropped_blocks{tier=disk}``) rather than making the engine wait.

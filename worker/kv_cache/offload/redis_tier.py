@@ -8,8 +8,9 @@ Bound: each worker counts the bytes of the keys it wrote (least recently used fi
 to stay under ``capacity_bytes``; every key also expires after ``ttl_s`` (sooner when the block's retention ends
 sooner). Keys written by other workers are read but not counted.
 
-The engine thread never waits for a write: :meth:`RedisTier.put_many` copies the batch into memory and queues it;
-a writer thread encodes it and sends one pipelined ``SET … PX`` per block, then lets go of the memory copy. Deletes
+The engine thread never waits for a write: :meth:`RedisTier.put_many` copies the batch into memory (a buffer the
+writer handed back, :class:`~worker.kv_cache.offload.base.ReusableRows`) and queues it; a writer thread encodes it
+and sends one pipelined ``SET … PX`` per block, then hands the memory back. Deletes
 (the size bound, :meth:`~OffloadTier.discard`) travel through the same first-in first-out queue, so a key is never
 deleted before it is written. A lookup of a block still queued is served from the memory copy. The queue is bounded
 in bytes (``max_pending_bytes``): a batch that would exceed it is dropped (``offload_dropped_blocks{tier=redis}``)

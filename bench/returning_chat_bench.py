@@ -138,7 +138,9 @@ async def complete(session: aiohttp.ClientSession, base_url: str, prompt: str) -
     start_s = time.perf_counter()
     ttft_ms, usage = None, {}
     async with session.post(base_url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status != 200:  # counted, not fatal: the other servers' turns go on
+            return {"ttft_ms": None, "latency_ms": (time.perf_counter() - start_s) * 1000, "prompt_tokens": 0,
+                    "cached_tokens": 0, "error": f"{response.status} {(await response.text())[:200]}"}
         async for chunk in sse_chunks(response):
             if ttft_ms is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                 ttft_ms = (time.perf_counter() - start_s) * 1000
@@ -198,6 +200,8 @@ async def interleaved_replay(servers: dict[str, SluiceProcess], prompts: list[tu
                 for prompt, returning in prompts[start:start + round_requests]:
                     result = await complete(session, servers[name].base_url, prompt)
                     out[name]["results"].append({**result, "returning": returning, "round": round_idx})
+                    if result.get("error"):
+                        print(f"{name}: {result['error']}\n{servers[name].log_text()[-3000:]}", flush=True)
                 await asyncio.sleep(settle_s)
                 out[name]["cpu_s"] += session_cpu_s(servers[name].process.pid) - cpu_before_s
                 ttfts_ms = [r["ttft_ms"] for r in out[name]["results"] if r["round"] == round_idx and r["ttft_ms"]]
@@ -219,6 +223,7 @@ def summarize(results: list[dict], counters: dict[str, float]) -> dict:
     return {
         "num_requests": len(results),
         "num_returning": sum(r["returning"] for r in results),
+        "num_errors": sum(bool(r.get("error")) for r in results),
         "ttft_ms_returning_p50": rounded(percentile(ttfts(True), 50)),
         "ttft_ms_returning_p99": rounded(percentile(ttfts(True), 99)),
         "ttft_ms_first_turn_p50": rounded(percentile(ttfts(False), 50)),

@@ -285,13 +285,16 @@ def test_chain_demotes_straight_from_the_pool_into_host_slots_and_pushes_host_bl
 def test_reusable_rows_hand_back_buffers_and_stacked_rows_reads_consecutive_rows_without_a_copy():
     from worker.kv_cache.offload.base import ReusableRows, stacked_rows
 
-    rows = ReusableRows(row_bytes=8, max_spare_buffers=1)
+    rows = ReusableRows(row_bytes=8, max_spare_buffers=2)
     first = rows.take(5)  # 8 rows underneath (a power of two)
     assert first.shape == (5, 8)
-    rows.release(first)
+    small = rows.take(2)
+    rows.release(small)
+    rows.release(first)  # two spares of different sizes
     again = rows.take(7)
-    assert again.data_ptr() == first.data_ptr()  # the released buffer, not new memory
-    assert rows.take(3).data_ptr() != again.data_ptr()  # taken: not handed out twice
+    assert again.data_ptr() == first.data_ptr()  # the released buffer that fits, not new memory
+    assert rows.take(2).data_ptr() == small.data_ptr()
+    assert rows.take(3).data_ptr() not in (again.data_ptr(), small.data_ptr())  # taken: not handed out twice
     buffer = torch.arange(32, dtype=torch.uint8).reshape(4, 8).clone()  # its own storage, as a staging buffer
     assert stacked_rows([buffer[1], buffer[2]]).data_ptr() == buffer[1].data_ptr()
     assert torch.equal(stacked_rows([buffer[2], buffer[1]]), torch.stack([buffer[2], buffer[1]]))

@@ -79,10 +79,9 @@ class ReusableRows:
         """Return ``[num_rows, row_bytes] uint8`` rows (contents undefined), the leading rows of a spare buffer
         when one is large enough, else of a new one."""
         with self._lock:
-            fits = [buf for buf in self._spare if buf.shape[0] >= num_rows]
-            buffer = min(fits, key=lambda buf: buf.shape[0]) if fits else None
-            if buffer is not None:
-                self._spare.remove(buffer)
+            fits = [idx for idx, buf in enumerate(self._spare) if buf.shape[0] >= num_rows]
+            # by position: list.remove would compare tensors element by element
+            buffer = self._spare.pop(min(fits, key=lambda idx: self._spare[idx].shape[0])) if fits else None
         if buffer is None:
             buffer = torch.empty((1 << max(0, num_rows - 1).bit_length(), self.row_bytes), dtype=torch.uint8)
         return buffer[:num_rows]

@@ -168,11 +168,25 @@ class KVBlockIO:
         out.view(self.kv_cache.dtype).view(self.block_shape).copy_(self.kv_cache[:, :, block_id])
         return out
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy pool blocks ``block_ids`` into a new ``[len(block_ids), block_bytes] uint8`` CPU tensor, row i =
-        block ``block_ids[i]``, in one copy (one kernel however many blocks). Synchronous, like :meth:`read_block`.
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy pool blocks ``block_ids`` into ``[len(block_ids), block_bytes] uint8`` CPU rows, row i = block
+        ``block_ids[i]``, in one copy (one kernel however many blocks). Synchronous, like :meth:`read_block`.
+
+        Args:
+            block_ids: pool block ids.
+            out: ``[num_rows >= len(block_ids), block_bytes] uint8``, CPU, contiguous: the rows are its first ones
+                (a buffer kept across calls spares the page faults of fresh memory); None = a new tensor.
+
+        Returns:
+            ``out[:len(block_ids)]``, or the new tensor.
         """
-        out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)
+        if out is None:
+            out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)
+        elif out.dim() != 2 or out.shape[0] < len(block_ids) or out.shape[1] != self.block_bytes \
+                or out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError(f"out must be [>= {len(block_ids)}, {self.block_bytes}] uint8 contiguous, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        out = out[:len(block_ids)]
         if block_ids:
             rows = out.view(self.kv_cache.dtype).view(len(block_ids), *self.block_shape)
             blocks = [self.kv_cache[:, :, block_id] for block_id in block_ids]

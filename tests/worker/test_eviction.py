@@ -514,3 +514,28 @@ def test_pressure_makes_the_adaptive_policy_evict_lower_tiers_and_expired_blocks
     evicted = {name: [block_id for block_id in table if not kv.pool.is_cached(block_id)]
                for name, table in tables.items()}
     assert len(evicted[first_victim_tier]) == 2 and sum(map(len, evicted.values())) == 2
+
+
+@pytest.mark.parametrize("level, first_victim", [("normal", "long"), ("elevated", "short")])
+def test_pressure_shortens_ttls_so_the_adaptive_policy_evicts_the_shortened_chat_first(
+        level: str, first_victim: str) -> None:
+    """Through the real KV manager, one tier: a chat without a TTL released first and a chat asking for 4 s released
+    a second later. Three seconds on, at normal pressure nothing has expired and the older chat goes first (LRU
+    order); at elevated pressure (TTLs × 0.5) the second chat's 2 s are over and it goes first though newer."""
+    clock_s = [0.0]
+    kv = KVCacheManager(8, 4, clock=lambda: clock_s[0], config=KVConfig(), eviction_policy="adaptive")
+    kv.set_pressure(level)
+    tables = {}
+    for name, ttl_s, tokens in (("long", 0.0, list(range(100, 112))), ("short", 4.0, list(range(200, 212)))):
+        clock_s[0] += 1.0
+        seq = Sequence(name, tokens, tier="vip", tier_priority=3, cache_ttl_s=ttl_s)
+        assert kv.admit(seq, max_new_tokens=10**9) == 0
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_blocks(seq)
+        tables[name] = kv.get_block_ids(name)
+        kv.free(seq)
+    clock_s[0] += 3.0
+    kv.pool.allocate(4)  # 2 free blocks, then 2 evictions
+    evicted = {name: [block_id for block_id in table if not kv.pool.is_cached(block_id)]
+               for name, table in tables.items()}
+    assert len(evicted[first_victim]) == 2 and sum(map(len, evicted.values())) == 2

@@ -257,6 +257,49 @@ def test_chain_demotes_a_batch_through_host_and_disk_and_reloads_exactly_what_wa
     chain.close()
 
 
+def test_chain_demotes_straight_from_the_pool_into_host_slots_and_pushes_host_blocks_to_disk_intact(tmp_path):
+    """A batch that fits host RAM goes from the pool into the host slots with no staging copy (no read_blocks); the
+    next batch pushes those blocks on to disk; every block reloads exactly."""
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    io = KVBlockIO(kv)
+    io.read_blocks = lambda block_ids, out=None: pytest.fail("staging copy on a CPU pool")
+    stats = KVStats()
+    disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path), stats=stats)
+    host = HostTier(3 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)
+    chain = OffloadChain([host, disk], io, CostModel({"host": 1e9, "disk": 1e9}, 1e3), stats=stats)
+    originals = {block_id: kv[:, :, block_id].clone() for block_id in range(6)}
+    evicted = [(block_id, 100 + block_id, None, list(range(block_id, block_id + 4)), float("inf"))
+               for block_id in range(6)]
+    assert chain.demote_many(evicted[:3]) == [True] * 3
+    assert chain.demote_many(evicted[3:]) == [True] * 3
+    assert chain.demote_many([(7, 500, None, [0, 0, 0, 0], 0.0)]) == [False]  # expired: not stored
+    kv.zero_()
+    assert chain.find([100 + i for i in range(6)], 0) == ["disk"] * 3 + ["host"] * 3
+    assert stats.get("offloaded_blocks", tier="host") == 6 and stats.get("offloaded_blocks", tier="disk") == 3
+    for block_id in range(6):
+        assert chain.load("disk" if block_id < 3 else "host", block_id, 100 + block_id, None, evicted[block_id][3])
+        assert torch.equal(kv[:, :, block_id], originals[block_id])
+    chain.close()
+
+
+def test_reusable_rows_hand_back_buffers_and_stacked_rows_reads_consecutive_rows_without_a_copy():
+    from worker.kv_cache.offload.base import ReusableRows, stacked_rows
+
+    rows = ReusableRows(row_bytes=8, max_spare_buffers=2)
+    first = rows.take(5)  # 8 rows underneath (a power of two)
+    assert first.shape == (5, 8)
+    small = rows.take(2)
+    rows.release(small)
+    rows.release(first)  # two spares of different sizes
+    again = rows.take(7)
+    assert again.data_ptr() == first.data_ptr()  # the released buffer that fits, not new memory
+    assert rows.take(2).data_ptr() == small.data_ptr()
+    assert rows.take(3).data_ptr() not in (again.data_ptr(), small.data_ptr())  # taken: not handed out twice
+    buffer = torch.arange(32, dtype=torch.uint8).reshape(4, 8).clone()  # its own storage, as a staging buffer
+    assert stacked_rows([buffer[1], buffer[2]]).data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(stacked_rows([buffer[2], buffer[1]]), torch.stack([buffer[2], buffer[1]]))
+
+
 def test_chain_reload_verifies_token_ids_so_no_other_conversation_is_served(tmp_path):
     kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     io = KVBlockIO(kv)
@@ -286,6 +329,8 @@ def test_redis_tier_round_trip_key_layout_ttl_and_size_cap(redis_client, model_i
     for i in range(1, 7):
         assert tier.put(block(1000 + i, fill=i))
         assert tier.used_bytes <= tier.capacity_bytes
+    assert tier.get(1006).token_ids == tuple(range(1006, 1010))  # readable before the writer sent it
+    assert tier.flush(timeout_s=30)
     keys = sorted(k.decode() for k in redis_client.scan_iter(match=redis_key_prefix(model_id, "float32") + "*"))
     assert keys == [f"sluice:kv:{model_id}:float32:{1000 + i:016x}" for i in (4, 5, 6)]
     assert sum(redis_client.strlen(k) for k in keys) < 3 * BLOCK_BYTES + 3 * 100  # data + small header
@@ -305,6 +350,7 @@ def test_redis_ttl_follows_a_shorter_block_retention(redis_client, model_id):
     clock = FakeClock()
     tier = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, ttl_s=3600.0, clock=clock)
     tier.put(block(5, expires_at_s=clock.now_s + 2.0))
+    assert tier.flush(timeout_s=30)
     assert 0 < redis_client.pttl(tier.key(5)) <= 2000
 
 
@@ -313,7 +359,8 @@ def test_redis_down_is_logged_once_counted_and_never_raises():
     url = f"redis://127.0.0.1:{closed_port()}/0"
     tier = RedisTier(url, "m", "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, timeout_s=0.2, retry_s=0.0, stats=stats)
     with capture_logs() as logs:
-        assert not tier.put(block(1))
+        assert tier.put(block(1))  # queued: the writer's failure is reported on the next call
+        assert tier.flush(timeout_s=30)
         assert tier.contains_many([1, 2]) == [False, False]
         assert tier.get(1) is None
     assert stats.get("redis_errors_total") == 3
@@ -324,6 +371,41 @@ def test_redis_down_is_logged_once_counted_and_never_raises():
     backoff.contains(1)
     backoff.contains(1)
     assert backoff.stats.get("redis_errors_total") == 1  # no call while marked down
+
+
+def test_redis_writes_leave_the_engine_thread_and_queued_blocks_are_read_from_memory():
+    """A server that accepts connections but never answers: a synchronous SET would wait for the timeout and fail;
+    the tier queues the block, serves it from memory, and reports the writer's timeout on the next call."""
+    import socket
+
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)
+        url = f"redis://127.0.0.1:{stalled.getsockname()[1]}/0"
+        stats = KVStats()
+        tier = RedisTier(url, "m", "float32", BLOCK_BYTES, 4 * BLOCK_BYTES, timeout_s=0.5, retry_s=60.0, stats=stats)
+        assert tier.put_many([block(1, fill=1), block(2, fill=2)]) == [True, True]
+        assert stats.get("redis_errors_total") == 0
+        got = tier.get(2)
+        assert got is not None and torch.equal(got.data, torch.full((BLOCK_BYTES,), 2, dtype=torch.uint8))
+        assert tier.contains_many([1, 2, 3]) == [True, True, False] or stats.get("redis_errors_total") == 1
+        assert tier.flush(timeout_s=30)
+        assert stats.get("redis_errors_total") >= 1 and stats.snapshot()["redis_up"] == 0.0
+        assert not tier.put(block(3))  # marked down: nothing is queued
+        tier.close()
+
+
+def test_redis_block_dropped_before_or_after_its_write_leaves_no_key(redis_client, model_id):
+    tier = RedisTier(REDIS_URL, model_id, "float32", BLOCK_BYTES, capacity_bytes=8 * BLOCK_BYTES)
+    tier.put_many([block(10), block(11)])
+    tier.discard(10)  # most likely still queued: never written
+    assert tier.flush(timeout_s=30)
+    tier.discard(11)  # written: deleted by the writer
+    tier.put(block(12))
+    assert tier.flush(timeout_s=30)
+    keys = sorted(k.decode() for k in redis_client.scan_iter(match=redis_key_prefix(model_id, "float32") + "*"))
+    assert keys == [tier.key(12)]
+    tier.close()
 
 
 # ---------------------------------------------------------------- cost model
@@ -379,7 +461,7 @@ def test_blocks_one_allocation_evicts_are_demoted_in_one_copy_and_reload_exactly
     io = KVBlockIO(kv)
     reads: list[list[int]] = []
     read_blocks = io.read_blocks
-    io.read_blocks = lambda block_ids: reads.append(list(block_ids)) or read_blocks(block_ids)
+    io.read_blocks = lambda block_ids, out=None: reads.append(list(block_ids)) or read_blocks(block_ids, out)
     stats = KVStats()
     disk = DiskTier(16 * BLOCK_BYTES, str(tmp_path), stats=stats)
     host = HostTier(2 * BLOCK_BYTES, BLOCK_BYTES, stats=stats, lower=disk)

@@ -62,7 +62,7 @@ class KVStats:
     - ``offloaded_bytes{tier=S}``, ``offloaded_blocks{tier=S}``: blocks written into offload tier S.
     - ``reloaded_bytes{tier=S}``, ``reloaded_blocks{tier=S}``: blocks read back from S into the device pool.
     - ``offload_evicted_blocks{tier=S}``: blocks pushed out of S by its size bound (demoted or dropped).
-    - ``offload_dropped_blocks{tier=disk}``: demoted blocks not stored because the disk writer's queue was full.
+    - ``offload_dropped_blocks{tier=disk|redis}``: demoted blocks not stored because the tier's writer queue was full.
     - ``reload_decisions_total`` / ``recompute_decisions_total``: lookups in the lower tiers that found blocks and
       chose to reload them / to recompute them (cost model); ``recompute_decision_tokens`` what that left to compute.
     - ``reload_verify_failures_total``: a reloaded block whose stored token ids did not match (treated as a miss).

@@ -9,6 +9,7 @@ its least recently used block is pushed out first and handed to the ``lower`` ti
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,13 +45,53 @@ class OffloadedBlock:
 
 
 def stacked_rows(datas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[n, block_bytes] uint8``: the blocks' data as one tensor; no copy when they are already the rows of one
-    (as :meth:`~worker.model_runner.KVBlockIO.read_blocks` returns them), else one copy."""
+    """``[n, block_bytes] uint8``: the blocks' data as one tensor; no copy when they are already consecutive rows of
+    one 2-D tensor (as :meth:`~worker.model_runner.KVBlockIO.read_blocks` returns them), else one copy."""
     base = datas[0]._base if datas else None
-    if (base is not None and base.dim() == 2 and base.is_contiguous() and base.shape[0] == len(datas)
-            and all(data._base is base and data.data_ptr() == base[i].data_ptr() for i, data in enumerate(datas))):
-        return base
+    if base is not None and base.dim() == 2 and base.is_contiguous() and base.shape[1] == datas[0].numel():
+        row_bytes = base.shape[1] * base.element_size()
+        first_row, misaligned = divmod(datas[0].data_ptr() - base.data_ptr(), row_bytes)
+        if (not misaligned and first_row + len(datas) <= base.shape[0]
+                and all(data._base is base and data.data_ptr() == datas[0].data_ptr() + i * row_bytes
+                        for i, data in enumerate(datas))):
+            return base[first_row:first_row + len(datas)]
     return torch.stack(list(datas))
+
+
+class ReusableRows:
+    """Row buffers (``[num_rows, row_bytes] uint8``, CPU) that a background writer hands back for reuse.
+
+    A tier that keeps a copy of a batch until its writer thread is done with it takes the copy's memory here instead
+    of allocating it: fresh memory of a batch's size (tens of MB) comes straight from the kernel and is page-faulted
+    in on the first write, which costs several times the copy itself on the engine step. Buffers are sized in powers
+    of two rows so that batches of varying sizes reuse them; at most ``max_spare_buffers`` wait for reuse.
+
+    :meth:`take` is called by one thread (the engine's); :meth:`release` by any.
+    """
+
+    def __init__(self, row_bytes: int, max_spare_buffers: int = 4) -> None:
+        self.row_bytes = row_bytes
+        self.max_spare_buffers = max_spare_buffers
+        self._spare: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_rows: int) -> torch.Tensor:
+        """Return ``[num_rows, row_bytes] uint8`` rows (contents undefined), the leading rows of a spare buffer
+        when one is large enough, else of a new one."""
+        with self._lock:
+            fits = [idx for idx, buf in enumerate(self._spare) if buf.shape[0] >= num_rows]
+            # by position: list.remove would compare tensors element by element
+            buffer = self._spare.pop(min(fits, key=lambda idx: self._spare[idx].shape[0])) if fits else None
+        if buffer is None:
+            buffer = torch.empty((1 << max(0, num_rows - 1).bit_length(), self.row_bytes), dtype=torch.uint8)
+        return buffer[:num_rows]
+
+    def release(self, rows: torch.Tensor) -> None:
+        """Hand back rows from :meth:`take` (the caller no longer reads or writes them)."""
+        buffer = rows._base if rows._base is not None else rows
+        with self._lock:
+            if len(self._spare) < self.max_spare_buffers:
+                self._spare.append(buffer)
 
 
 @dataclass

@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from shared.config import KVConfig
 from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier
 from worker.kv_cache.offload.cost import GB, CostModel
@@ -48,6 +50,8 @@ class OffloadChain:
         self._by_name = {tier.name: tier for tier in self.tiers}
         self._local = [tier for tier in self.tiers if tier.name != "redis"]
         self._remote = self._by_name.get("redis")
+        # [num_rows, block_bytes] uint8, CPU: demoted blocks on their way into the top tier, which copies them
+        self._staging = torch.empty((0, self.block_bytes), dtype=torch.uint8)
 
     def tier(self, name: str) -> OffloadTier:
         return self._by_name[name]
@@ -58,8 +62,12 @@ class OffloadChain:
         return self.demote_many([(block_id, block_hash, parent_hash, token_ids, expires_at_s)])[0]
 
     def demote_many(self, evicted: Sequence[tuple[int, int, int | None, Sequence[int], float]]) -> list[bool]:
-        """Copy a batch of evicted device blocks into the top tier with one copy out of the pool (before the pool
-        reuses them); per block, True when stored.
+        """Copy a batch of evicted device blocks into the top tier before the pool reuses them; per block, True when
+        stored.
+
+        A host RAM tier on a CPU pool takes each block straight into its slot (:meth:`HostTier.put_from_pool`);
+        otherwise the batch is read out of the pool in one copy (one transfer from a GPU) into a staging buffer kept
+        across calls (fresh memory would cost page faults on every step), and the top tier copies it from there.
 
         Args:
             evicted: ``(block_id, block_hash, parent_hash, token_ids, expires_at_s)`` per block.
@@ -77,7 +85,14 @@ class OffloadChain:
                 to_copy.append(pos)
         if not to_copy:
             return stored
-        data = self.io.read_blocks([evicted[pos][0] for pos in to_copy])
+        if isinstance(top, HostTier) and not self.io.kv_cache.is_cuda and len(to_copy) <= top.slab.shape[0]:
+            for pos, ok in zip(to_copy, top.put_from_pool(self.io, [evicted[pos] for pos in to_copy])):
+                stored[pos] = ok
+            return stored
+        if self._staging.shape[0] < len(to_copy):  # grow-only
+            num_rows = max(len(to_copy), 2 * self._staging.shape[0])
+            self._staging = torch.empty((num_rows, self.block_bytes), dtype=torch.uint8, pin_memory=self.io.pin_memory)
+        data = self.io.read_blocks([evicted[pos][0] for pos in to_copy], out=self._staging)
         blocks = [OffloadedBlock(evicted[pos][1], evicted[pos][2], tuple(evicted[pos][3]), data[row], evicted[pos][4])
                   for row, pos in enumerate(to_copy)]
         for pos, ok in zip(to_copy, top.put_many(blocks)):

@@ -8,8 +8,9 @@ The header travels with the data so a reload verifies the token ids the bytes we
 that could disagree with the file. The folder is private to the worker (created at start, removed at close);
 nothing survives a restart, so no stale file from another model or dtype can ever be read.
 
-The engine thread never waits for the disk: :meth:`DiskTier.put_many` copies the batch into memory and queues it;
-the writer thread writes it to a temporary name and renames it into place, then lets go of the memory copy. A
+The engine thread never waits for the disk: :meth:`DiskTier.put_many` copies the batch into memory (a buffer the
+writer handed back, :class:`~worker.kv_cache.offload.base.ReusableRows`) and queues it; the writer thread writes it
+to a temporary name and renames it into place, then hands the memory back. A
 lookup in between is served from the memory copy, so a block is readable the moment it is stored and a lookup never
 sees a half-written file. The queue is bounded in bytes (``max_pending_bytes``): a batch that would exceed it is
 dropped (counted in ``offload_dropped_blocks{tier=disk}``) rather than making the engine wait.
@@ -30,7 +31,7 @@ import msgspec
 import structlog
 import torch
 
-from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier, _Entry
+from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier, ReusableRows, _Entry
 from worker.kv_cache.stats import KVStats
 
 log = structlog.get_logger("sluice.worker.kv")
@@ -47,9 +48,12 @@ class _Batch:
     still indexed) only on the engine thread.
     """
 
-    def __init__(self, path: str, data: torch.Tensor, headers: list[tuple[int | None, tuple[int, ...]]]) -> None:
+    def __init__(self, path: str, data: torch.Tensor, headers: list[tuple[int | None, tuple[int, ...]]],
+                 reusable_rows: ReusableRows) -> None:
         self.path = path
-        self.data: torch.Tensor | None = data  # [n, block_bytes] uint8 until written
+        self.rows = data  # [n, block_bytes] uint8 taken from reusable_rows; the writer hands it back when done
+        self.reusable_rows = reusable_rows
+        self.data: torch.Tensor | None = data  # the same rows, readable until written (None once dropped)
         self.headers = headers
         self.nbytes = data.numel()
         self.num_live = len(headers)
@@ -85,6 +89,7 @@ class DiskTier(OffloadTier):
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._idle = threading.Condition(self._lock)  # notified whenever pending_bytes drops
         self._num_batches = 0
+        self._reusable_rows: ReusableRows | None = None  # made at the first batch, when the block size is known
         self._writer = threading.Thread(target=self._write_loop, name="sluice-kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -98,12 +103,19 @@ class DiskTier(OffloadTier):
                 self.stats.add("offload_dropped_blocks", len(blocks), tier=self.name)
                 return [None] * len(blocks)
             self.pending_bytes += nbytes
-        data = torch.stack([block.data.reshape(-1) for block in blocks])  # owned: the caller may reuse its memory
+        reusable_rows = self._rows(blocks[0].data.numel())
+        data = reusable_rows.take(len(blocks))  # owned: the caller may reuse its memory
+        torch.stack([block.data.reshape(-1) for block in blocks], out=data)
         self._num_batches += 1
         batch = _Batch(os.path.join(self.folder, f"{self._num_batches:08d}.kv"), data,
-                       [(block.parent_hash, block.token_ids) for block in blocks])
+                       [(block.parent_hash, block.token_ids) for block in blocks], reusable_rows)
         self._queue.put(batch)
         return [(batch, row) for row in range(len(blocks))]
+
+    def _rows(self, row_bytes: int) -> ReusableRows:
+        if self._reusable_rows is None or self._reusable_rows.row_bytes != row_bytes:
+            self._reusable_rows = ReusableRows(row_bytes)
+        return self._reusable_rows
 
     def _load(self, entry: _Entry) -> tuple[int | None, tuple[int, ...], torch.Tensor] | None:
         batch, row = entry.handle
@@ -166,6 +178,7 @@ class DiskTier(OffloadTier):
                     batch.data = None
                 cancelled = batch.cancelled
                 self._idle.notify_all()
+            batch.reusable_rows.release(batch.rows)
             if ok and cancelled:
                 self._unlink(batch.path)
 

@@ -12,7 +12,7 @@ and the worker's RSS stays flat (BC33).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -61,6 +61,46 @@ class HostTier(OffloadTier):
         for pos, slot in zip(fits, slots):
             handles[pos] = slot
         return handles
+
+    def put_from_pool(self, io, evicted: Sequence[tuple[int, int, int | None, Sequence[int], float]]) -> list[bool]:
+        """Store evicted pool blocks as :meth:`put_many` does, each copied from the pool straight into its slot.
+
+        One copy per block and no staging buffer: for a pool on the CPU, where a copy costs the same however it is
+        batched (on CUDA one gathered transfer beats a transfer per block: use ``put_many``).
+
+        Args:
+            io: :class:`~worker.model_runner.KVBlockIO` over the pool.
+            evicted: ``(block_id, block_hash, parent_hash, token_ids, expires_at_s)`` per block, at most
+                ``num_slots`` of them.
+
+        Returns:
+            Per block, whether the tier now holds it.
+
+        Raises:
+            ValueError: more blocks than slots.
+        """
+        if len(evicted) > self.slab.shape[0]:
+            raise ValueError(f"host tier: {len(evicted)} blocks for {self.slab.shape[0]} slots; use put_many")
+        now_s = self.clock()
+        new: dict[int, int] = {}  # block_hash -> position in evicted
+        for pos, (_, block_hash, _, _, expires_at_s) in enumerate(evicted):
+            if expires_at_s <= now_s:
+                continue
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+            elif block_hash not in new:
+                new[block_hash] = pos
+        self._make_room(len(new) * self.block_bytes, [])
+        for block_hash, pos in new.items():
+            block_id, _, parent_hash, token_ids, expires_at_s = evicted[pos]
+            slot = self._free_slots.pop()
+            io.read_block(block_id, out=self.slab[slot])
+            self._index[block_hash] = _Entry(parent_hash, tuple(token_ids), self.block_bytes, expires_at_s, slot)
+            self.used_bytes += self.block_bytes
+        if new:
+            self.stats.add("offloaded_bytes", len(new) * self.block_bytes, tier=self.name)
+            self.stats.add("offloaded_blocks", len(new), tier=self.name)
+        return [block_hash in self._index for _, block_hash, _, _, _ in evicted]
 
     def _load(self, entry: _Entry) -> tuple[int | None, tuple[int, ...], torch.Tensor]:
         return entry.parent_hash, entry.token_ids, self.slab[entry.handle]

@@ -116,6 +116,31 @@ class RowSplit:
         return cls(None, None, all_decode=True, any_decode=True)
 
 
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed on ``x`` padded with zero rows to a multiple of
+    ``PREFILL_ROWS_MULTIPLE`` rows, so every row's result is bit-identical however many rows share the call.
+
+    MKL's fp32 GEMM takes other code paths for 1, 2, 3 or 5 rows (and 2 threads split rows differently), and
+    oneDNN's bf16 GEMM without bf16 hardware likewise, whose sums round differently; on a multiple of 8 rows every
+    row comes out bit-identical wherever it sits and however many rows share the call (checked for these models'
+    shapes, 1 and 2 threads: ``tests/worker/test_model_quant.py``). So a prompt token's K/V do not depend on how its
+    prompt was chunked or cached, nor a decode token on its neighbours in the batch. A matmul over weights is
+    memory-bound at a few rows, so the padding costs little there.
+
+    Args:
+        x: ``[num_rows, in_features]``.
+        weight: ``[out_features, in_features]``, ``x``'s dtype.
+        bias: ``[out_features]`` or None.
+    Returns:
+        ``[num_rows, out_features]``.
+    """
+    num_rows = x.shape[0]
+    pad = -num_rows % PREFILL_ROWS_MULTIPLE
+    if not pad:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:num_rows]
+
+
 class Linear:
     """``y = x @ W^T (+ b)`` for ``x [num_tokens, in_features]``; ``out_features x in_features`` weights.
 
@@ -137,7 +162,7 @@ class Linear:
 
 
 class DenseLinear(Linear):
-    """A dense matmul (``F.linear``) in the weight's dtype.
+    """A dense matmul (``F.linear``) in the weight's dtype, on rows padded to a multiple of 8 (:func:`padded_linear`).
 
     Args:
         weight: ``[out, in]``, the activations' dtype.
@@ -152,7 +177,7 @@ class DenseLinear(Linear):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return padded_linear(x, self.weight, self.bias)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"weight": self.weight}
@@ -177,15 +202,7 @@ class _SplitLinear(Linear):
         return self._decode(x.to(torch.bfloat16)).to(x.dtype)
 
     def _prefill(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # MKL's fp32 GEMM takes other code paths for 1, 2, 3 or 5 rows (and 2 threads split rows differently),
-        # whose sums round differently; on a multiple of 8 rows every row comes out bit-identical wherever it
-        # sits and however many rows share the call (checked for these models' shapes, 1 and 2 threads). So a
-        # prompt token's K/V do not depend on how its prompt was chunked or cached.
-        num_rows = x.shape[0]
-        pad = -num_rows % PREFILL_ROWS_MULTIPLE
-        if not pad:
-            return F.linear(x, self.dense, bias)
-        return F.linear(F.pad(x, (0, 0, 0, pad)), self.dense, bias)[:num_rows]
+        return padded_linear(x, self.dense, bias)
 
     def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
         if rows.all_decode:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
 
 from gateway.pipeline.logprobs import LogprobFormatter, LogprobLedger, TokenLogprob
+from tests.conftest import TEST_CONFIG, sluice_serve
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -46,8 +48,13 @@ def test_formatter_names_tokens_in_openai_shapes():
 
 
 @pytest.fixture(scope="module")
-def client(sluice_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=sluice_server.base_url + "/v1", api_key="test", max_retries=0, timeout=600)
+def client(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    """The SDK against a server of its own holding float32 weights: the shared test server serves the default
+    weights (int4 for the Q4_1 file), whose logits differ from transformers' fp32 ones by more than 2e-3."""
+    config = TEST_CONFIG.replace("[model]\n", '[model]\nweights = "float32"\n', 1)
+    assert 'weights = "float32"' in config
+    with sluice_serve(tmp_path_factory.mktemp("logprobs_float32"), config) as server:
+        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0, timeout=600)
 
 
 @pytest.mark.slow

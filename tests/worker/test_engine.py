@@ -85,6 +85,7 @@ class LayeredRunner:
     def __init__(self) -> None:
         self.num_layers_run = 0
         self.on_layer = lambda layer: None
+        self.step_logprobs = {}
 
     def run(self, out, should_stop=None) -> dict[str, int]:
         for layer in range(4):

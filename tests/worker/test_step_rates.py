@@ -32,7 +32,7 @@ class FixedStepRunner:
         self.clock = clock
         self.step_logprobs = {}
 
-    def run(self, out: SchedulerOutput) -> dict[str, int]:
+    def run(self, out: SchedulerOutput, should_stop=None) -> dict[str, int]:
         self.clock.now_s += STEP_S
         return {item.seq.request_id: 7 for item in out.scheduled if item.sample}
 

@@ -58,7 +58,7 @@ class NullModel:
         self.logits = torch.zeros(max_rows, vocab_size)
         self.logits[torch.arange(max_rows), torch.arange(max_rows) % vocab_size] = 1.0
 
-    def forward(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch, kv_cache: torch.Tensor, should_stop=None) -> torch.Tensor:
         return self.logits[: batch.logits_indices.shape[0]]
 
 

@@ -31,6 +31,9 @@ NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]  # durations and sizes w
 Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]  # a share in [0, 1]
 PositiveFraction = Annotated[float, msgspec.Meta(gt=0, le=1)]  # a share in (0, 1]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+#: the eviction policies of ``worker/kv_cache/eviction`` (``tests/shared/test_config_validation.py`` checks that
+#: the two lists agree), so a misspelt policy fails when the config is loaded, not in a worker that crash-loops
+EvictionPolicyName = Literal["lru", "lfu", "ttl", "tier", "sluice", "chain", "adaptive"]
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -180,7 +183,7 @@ class RetentionSettings(_Section):
             (no-cache mode); their blocks go straight back to the free list.
     """
 
-    eviction_policy: str = ""
+    eviction_policy: Literal["", "lru", "lfu", "ttl", "tier", "sluice", "chain", "adaptive"] = ""
     ttl_scale: Fraction = 1.0
     max_ttl_s: NonNegativeFloat = float("inf")
     min_retained_tier_priority: int = -(2**31)
@@ -228,7 +231,7 @@ class KVConfig(_Section):
         retention: retention settings per pressure level (shorter TTLs, top tiers only, no-cache mode).
     """
 
-    eviction_policy: str = "lru"
+    eviction_policy: EvictionPolicyName = "lru"
     default_cache_ttl_s: NonNegativeFloat = 0.0
     max_cache_ttl_s: NonNegativeFloat = 86400.0
     max_cache_ttl_s_by_tier: dict[str, NonNegativeFloat] = {}
@@ -374,7 +377,7 @@ class AdmissionConfig(_Section):
     """
 
     enabled: bool = True
-    order_policy: str = "priority_aging"
+    order_policy: Literal["priority_aging", "fifo"] = "priority_aging"
     aging_rate_per_s: NonNegativeFloat = 0.1
     require_api_key: bool = False
     keys_file: str = ""

@@ -145,6 +145,10 @@ class TierCounters:
         self._redis_ok = True
         self.num_redis_errors = 0
         self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
+        # the longest a publication in flight is awaited at close: a little over the client's socket timeout
+        socket_timeout_s = client.connection_pool.connection_kwargs.get("socket_timeout") if client else None
+        self._close_wait_s = (socket_timeout_s or 1.0) + 0.5
 
     @classmethod
     def from_config(cls, config: Config, gateway_id: str,
@@ -171,11 +175,19 @@ class TierCounters:
             self._task = asyncio.create_task(self._run(), name="tier-counters")
 
     async def close(self) -> None:
-        """Stop publishing, remove this gateway's counts from Redis (best effort) and close the connection pool."""
+        """Stop publishing, remove this gateway's counts from Redis (best effort) and close the connection pool.
+
+        A publication in flight is let finish first (up to the client's socket timeout): cancelling it would not
+        take back a script Redis has already received, which could then run after the removal and leave this
+        gateway's entry in the index until it expires."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stopping.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), self._close_wait_s)
+            except asyncio.TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         if self._client is None:
             return
@@ -189,9 +201,10 @@ class TierCounters:
         await self._client.aclose()
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             await self.sync_once()
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
 
     async def sync_once(self) -> bool:
         """Publish this gateway's counts and read the other live gateways' (one Redis round trip).

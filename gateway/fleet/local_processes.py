@@ -168,7 +168,7 @@ class LocalProcesses:
                                                        self.worker_env(runtime.config, lw.device), lw.worker_id)
             except OSError as exc:
                 log.error("local_worker_spawn_failed", pool=runtime.name, worker_id=lw.worker_id, error=str(exc))
-                self._spawn_failed(runtime)
+                self._spawn_failed(runtime, f"local worker {lw.worker_id} could not be started: {exc}")
                 return
             log.info("local_worker_spawned", pool=runtime.name, worker_id=lw.worker_id, pid=lw.process.pid,
                      device=lw.device, start_method=self._spawner.method)
@@ -183,7 +183,8 @@ class LocalProcesses:
                 log.error("local_worker_exited", pool=runtime.name, worker_id=lw.worker_id, returncode=returncode,
                           state=lw.state.value)
                 if lw.cold_start_s is None:
-                    self._spawn_failed(runtime)
+                    self._spawn_failed(runtime, f"local worker {lw.worker_id} exited with status {returncode} "
+                                                "before it was ready (its log says why)")
         finally:
             if lw.process is not None and lw.process.returncode is None:
                 lw.process.kill()
@@ -229,6 +230,7 @@ class LocalProcesses:
         if lw.state is WorkerState.STARTING:
             lw.state = WorkerState.READY
         runtime.spawn_failures = 0
+        runtime.last_start_failure = None
         if lw.client.hello is not None:
             runtime.last_kv_blocks = lw.client.hello.num_kv_blocks
         self._on_cold_start(runtime.name, lw.cold_start_s)
@@ -236,8 +238,9 @@ class LocalProcesses:
                  cold_start_s=round(lw.cold_start_s, 3))
         runtime.admission.on_capacity_changed()
 
-    def _spawn_failed(self, runtime: PoolRuntime) -> None:
+    def _spawn_failed(self, runtime: PoolRuntime, why: str) -> None:
         runtime.spawn_failures += 1
+        runtime.last_start_failure = why
         backoff_s = min(MAX_SPAWN_BACKOFF_S,
                         self.config.gateway.worker_restart_backoff_s * 2 ** (runtime.spawn_failures - 1))
         runtime.spawn_blocked_until_s = self._clock() + backoff_s
@@ -277,6 +280,7 @@ class LocalProcesses:
         process = lw.process
         if process is None or process.returncode is not None:
             return
+        lw.client.expect_exit()
         process.terminate()
         try:
             await asyncio.wait_for(process.wait(), STOP_GRACE_S)

@@ -63,6 +63,8 @@ async def readyz(request: web.Request) -> web.Response:
     ready = sum(1 for client in clients if client.ready)
     if not fleet.is_ready():
         reasons = [reason for client in clients if (reason := client.not_ready_reason()) is not None]
+        reasons += [f"pool {runtime.name}: {runtime.last_start_failure}" for runtime in fleet.runtimes.values()
+                    if runtime.last_start_failure is not None]
         why = "; ".join(reasons) if reasons else "no worker configured"
         raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready yet: {why}", retry_after_s=1)
     body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}

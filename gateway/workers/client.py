@@ -263,6 +263,11 @@ class WorkerClient:
             return False
         return True
 
+    def expect_exit(self) -> None:
+        """The worker is being stopped: its disconnect is expected (logged at info, not as a warning) and the
+        client does not reconnect to it."""
+        self._closing = True
+
     async def close(self) -> None:
         """Close the connection and stop reconnecting; requests in flight fail."""
         self._closing = True
@@ -457,7 +462,8 @@ class WorkerClient:
         self._outbox.clear()  # frames for the lost connection; their streams fail below
         if writer is not None:
             writer.close()
-            log.warning("worker_disconnected", worker=self.name, reason=reason, in_flight=len(self._streams))
+            (log.info if self._closing else log.warning)(
+                "worker_disconnected", worker=self.name, reason=reason, in_flight=len(self._streams))
         self.hello = None
         self.capacity = None
         self._ready.clear()

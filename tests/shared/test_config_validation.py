@@ -245,3 +245,34 @@ def test_an_override_that_may_hold_a_secret_is_named_without_its_value(tmp_path)
         load_config(empty, environ={"SLUICE_REGISTRY__REDIS_URL": "42"})  # a number where a URL string goes
     assert str(info.value) == ("SLUICE_REGISTRY__REDIS_URL=<redacted>: Expected `str`, got `int` - at "
                                "`$.registry.redis_url`")
+
+
+# ------------------------------------------------------------------------------------------------ named choices
+
+
+def test_config_names_exactly_the_eviction_policies_the_worker_has():
+    import typing
+
+    from shared.config import EvictionPolicyName
+    from worker.kv_cache.eviction import policy_names
+
+    assert sorted(typing.get_args(EvictionPolicyName)) == policy_names()
+
+
+def test_config_names_exactly_the_dispatch_orders_admission_has():
+    from gateway.admission.order import FifoOrder, PriorityAgingOrder
+    from shared.config import AdmissionConfig
+
+    field = {f.name: f for f in msgspec.inspect.type_info(AdmissionConfig).fields}["order_policy"]
+    assert sorted(field.type.values) == sorted([PriorityAgingOrder.name, FifoOrder.name])
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[kv]\neviction_policy = "lruu"\n', "eviction_policy"),
+    ('[kv.retention.elevated]\neviction_policy = "lfuu"\n', "eviction_policy"),
+    ('[admission]\norder_policy = "fifoo"\n', "order_policy"),
+])
+def test_a_misspelt_policy_fails_at_load_naming_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), environ={})
+    assert key in str(info.value) and "config.toml:2" in str(info.value)

@@ -61,22 +61,35 @@ DEADLINE_FRACTION_OF_SLO = 0.8  # each tier's queue deadline as a share of its T
 RESULT_PATH = REPO / "bench" / "results" / "engine_overload.json"
 
 
-def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float]) -> str:
+def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], multiple: float) -> str:
     """Return the config of Sluice in front of ``llama_url``: default tier vip (the replay's header lowers it),
-    each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO."""
+    each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO, and vip's reserved share of the
+    slots and KV sized to its offered load (:func:`vip_reserved_fraction`)."""
     lines = ['default_tier = "vip"', "", "[worker]", "num_local_workers = 0", "",
              "[model]", "max_model_len_tokens = 2048", "",
              "[[pools]]", 'name = "llamacpp"', 'backend = "openai"', 'engine = "llama.cpp"',
              f'upstreams = ["{llama_url}"]', f'tokenizer = "{default_model_path()}"',
              f"max_concurrency = {parallel}", ""]
+    vip_reserved = vip_reserved_fraction(multiple)
     for tier in DEFAULT_TIERS:
+        reserved = vip_reserved if tier.name == "vip" else tier.reserved_slot_fraction
+        reserved_kv = vip_reserved if tier.name == "vip" else tier.reserved_kv_fraction
         queue_timeout_s = round(DEADLINE_FRACTION_OF_SLO * slo_ttft_s.get(tier.name, tier.queue_timeout_s), 3)
         lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
                   f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {queue_timeout_s}",
                   f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
-                  f"reserved_kv_fraction = {tier.reserved_kv_fraction}",
-                  f"reserved_slot_fraction = {tier.reserved_slot_fraction}", ""]
+                  f"reserved_kv_fraction = {reserved_kv}",
+                  f"reserved_slot_fraction = {reserved}", ""]
     return "\n".join(lines)
+
+
+def vip_reserved_fraction(multiple: float) -> float:
+    """vip's reserved share of the engine's slots (and KV): its share of the offered load, ``TIER_MIX["vip"]`` ×
+    ``multiple`` of the engine's capacity, with a quarter more for its bursts, at most 0.75. Without preemption a
+    top-tier request that finds every slot taken waits for one to end (seconds on a CPU engine), so the top tier
+    keeps its SLO only where its reservation covers its own load: the default 0.2 of 4 slots (one) is less than
+    vip's 0.4 of capacity at 2×."""
+    return round(min(0.75, 1.25 * TIER_MIX["vip"] * multiple), 2)
 
 
 async def engine_capacity_per_s(llama_url: str, requests, builder: PromptBuilder, max_input_tokens: int,
@@ -184,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                                               args.probe_requests))
         slo_ttft_s = slos_for(ttfts_s, args.slo_vip_s, args.slo_other_s)
         print(f"engine's unloaded TTFT {min(ttfts_s):.2f}-{max(ttfts_s):.2f} s: TTFT SLOs {slo_ttft_s}")
-        gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s), min_ready_workers=1).start()
+        gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, args.multiple), min_ready_workers=1).start()
         try:
             capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,
                                                          args.parallel, args.capacity_requests))

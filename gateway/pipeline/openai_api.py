@@ -176,6 +176,8 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
             code = ErrorCode.INVALID_VALUE
         raise SluiceError(code, f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
+        if not body.strip():
+            raise SluiceError(ErrorCode.INVALID_JSON, "the request body is empty: send a JSON object") from None
         raise SluiceError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from None
 
 

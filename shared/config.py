@@ -132,7 +132,8 @@ class WorkerConfig(_Section):
     Attributes:
         num_local_workers: workers ``sluice serve`` spawns on this machine.
         backend: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``sim`` (the roofline simulator).
-        attention_backend: ``auto`` (cupy on CUDA with CuPy installed, else torch), ``torch`` or ``cupy``.
+        attention_backend: ``auto`` (cupy on CUDA with CuPy installed; cpu on the CPU where Sluice's CPU kernels
+            load; else torch), ``torch``, ``cpu`` or ``cupy``.
         kv_cache_gib: size of the device KV pool in GiB.
         block_size_tokens: tokens per KV block.
         max_num_seqs: most sequences running at once.
@@ -156,7 +157,7 @@ class WorkerConfig(_Section):
 
     num_local_workers: NonNegativeInt = 1
     backend: Literal["auto", "cpu", "cuda", "sim"] = "auto"
-    attention_backend: Literal["auto", "torch", "cupy"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "cupy"] = "auto"
     kv_cache_gib: PositiveFloat = 0.5
     block_size_tokens: PositiveInt = 16
     max_num_seqs: PositiveInt = 64

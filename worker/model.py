@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from worker import cpu_kernels
 from worker.attention import AttentionBackend, make_attention_backend
 from worker.batch import ForwardBatch
 from worker.engine import StepAbandoned
-from worker.quant import (DenseLinear, Int4Linear, Int8Linear, Linear, RowSplit, cpu_activation_dtype,
-                          quantize_int4_groups)
+from worker.layer_ops import layer_ops
+from worker.quant import (DenseLinear, Int4Linear, Int8Linear, Linear, cpu_activation_dtype, quantize_int4_groups,
+                          quantized_head)
 
 #: ``model.weights`` values; ``auto`` is resolved by :func:`resolve_weights_mode`
 WEIGHTS_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
@@ -143,12 +144,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [num_tokens, heads, head_dim]`` by ``cos/sin [num_tokens, 1, head_dim // 2]`` (rotate_half)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class LlamaModel:
     """A Llama-family decoder whose attention reads and writes the paged KV pool.
 
@@ -179,7 +174,6 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.weights_mode = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(embed.dtype, str(embed.dtype))
-        self._split_rows = any(layer.qkv.kind != "dense" for layer in layers)
         # bf16 models keep the residual stream in fp32 (norm weights too): only matmul inputs round to bf16
         self._norms_f32 = [(layer.input_norm.float(), layer.post_norm.float()) for layer in layers]
         self._final_norm_f32 = final_norm.float()
@@ -189,6 +183,8 @@ class LlamaModel:
         # [max_positions, head_dim // 2], computed in fp64 then cast, once.
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+        self._ops = layer_ops(self.dtype, self.device, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads,
+                              spec.head_dim)
 
     # ------------------------------------------------------------------ construction
 
@@ -299,7 +295,7 @@ class LlamaModel:
             embed=embed,
             layers=layers,
             final_norm=take("model.norm.weight"),
-            lm_head=DenseLinear(lm_head),
+            lm_head=quantized_head(lm_head, weights_mode),
             attention=make_attention_backend(attention_backend, device),
         )
 
@@ -379,7 +375,8 @@ class LlamaModel:
         embed = vec("model.embed_tokens.weight")
         lm_head = embed if spec.tie_word_embeddings else vec("lm_head.weight")
         model = cls(spec=spec, embed=embed, layers=layers, final_norm=vec("model.norm.weight"),
-                    lm_head=DenseLinear(lm_head), attention=make_attention_backend(attention_backend, "cpu"))
+                    lm_head=quantized_head(lm_head, weights_mode),
+                    attention=make_attention_backend(attention_backend, "cpu"))
         model.weights_mode = weights_mode
         return model
 
@@ -417,38 +414,26 @@ class LlamaModel:
             StepAbandoned: ``should_stop`` said so; the K/V of this step's tokens is partly written, and the
                 caller frees their blocks.
         """
-        spec = self.spec
         num_tokens = batch.input_ids.shape[0]
-        q_size = spec.num_heads * spec.head_dim
-        kv_size = spec.num_kv_heads * spec.head_dim
+        ops = self._ops
         self.attention.begin_forward(batch)
-        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
-        act = self.dtype
-        eps = spec.rms_norm_eps
-        hidden = (spec.hidden_size,)
+        cos = self.rope_cos[batch.positions]  # [num_tokens, head_dim // 2]
+        sin = self.rope_sin[batch.positions]
         x = self.embed[batch.input_ids].float()  # [num_tokens, hidden] fp32 residual stream
-        rows = (RowSplit.from_decode_seqs(batch.query_start_loc, batch.decode_seqs, self.device) if self._split_rows
-                else RowSplit.prefill_only())
+        h = ops.norm(x, self._norms_f32[0][0])
         for i, layer in enumerate(self.layers):
             if should_stop is not None and should_stop():
                 raise StepAbandoned(f"abandoned before layer {i}")
-            input_norm, post_norm = self._norms_f32[i]
-            h = F.rms_norm(x, hidden, input_norm, eps).to(act)
-            qkv = layer.qkv.forward(h, rows)
-            # RoPE on q and k together: [num_tokens, num_heads + num_kv_heads, head_dim]
-            qk = _apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, spec.head_dim), cos, sin)
-            q, k = qk.split((spec.num_heads, spec.num_kv_heads), dim=1)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            q, k, v = ops.rope_qkv(layer.qkv.forward(h), cos, sin)
             attn = self.attention.forward(q, k, v, kv_cache[i], batch, self.scale)
-            x = x + layer.o.forward(attn.reshape(num_tokens, q_size), rows)
-            h = F.rms_norm(x, hidden, post_norm, eps).to(act)
-            gate, up = layer.gate_up.forward(h, rows).chunk(2, dim=-1)
-            x = x + layer.down.forward(F.silu(gate) * up, rows)
+            x, h = ops.add_norm(x, layer.o.forward(attn.reshape(num_tokens, -1)), self._norms_f32[i][1])
+            mlp = layer.down.forward(ops.swiglu(layer.gate_up.forward(h)))
+            if i + 1 < len(self.layers):
+                x, h = ops.add_norm(x, mlp, self._norms_f32[i + 1][0])
+        x = x + mlp
         if batch.logits_indices.shape[0] != num_tokens:
             x = x.index_select(0, batch.logits_indices)
-        h = F.rms_norm(x, hidden, self._final_norm_f32, eps).to(act)
-        return self.lm_head.forward(h, RowSplit.prefill_only()).float()
+        return self.lm_head.forward(ops.norm(x, self._final_norm_f32)).float()
 
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -478,9 +463,10 @@ def resolve_weights_mode(weights_mode: str, dtype: torch.dtype) -> str:
 def _model_tensors(model: LlamaModel) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Flatten ``model``'s weights for the cache: ``(tensors by name, linear kind by layer-linear name)``."""
     tensors: dict[str, torch.Tensor] = {"embed": model.embed, "final_norm": model.final_norm}
-    kinds: dict[str, str] = {}
-    if model.lm_head.weight is not model.embed:
-        tensors["lm_head"] = model.lm_head.weight
+    kinds: dict[str, str] = {"lm_head": model.lm_head.kind}
+    head = model.lm_head.tensors()
+    if head.get("weight") is not model.embed:  # a tied dense head is the embedding itself
+        tensors.update({f"lm_head.{key}": tensor.contiguous() for key, tensor in head.items()})
     for i, layer in enumerate(model.layers):
         tensors[f"layers.{i}.input_norm"] = layer.input_norm
         tensors[f"layers.{i}.post_norm"] = layer.post_norm
@@ -507,8 +493,10 @@ def _model_from_tensors(spec: ModelSpec, weights_mode: str, tensors: dict[str, t
                                     post_norm=tensors[f"layers.{i}.post_norm"], gate_up=lin("gate_up"),
                                     down=lin("down")))
     embed = tensors["embed"]
+    head = {k[len("lm_head."):]: v for k, v in tensors.items() if k.startswith("lm_head.")}
+    lm_head = linear_from_tensors(kinds["lm_head"], head) if head else DenseLinear(embed)
     model = LlamaModel(spec=spec, embed=embed, layers=layers, final_norm=tensors["final_norm"],
-                       lm_head=DenseLinear(tensors.get("lm_head", embed)),
+                       lm_head=lm_head,
                        attention=make_attention_backend(attention_backend, "cpu"))
     model.weights_mode = weights_mode
     return model
@@ -560,7 +548,9 @@ def load_gguf_model(path: str, weights_mode: str, attention_backend: str = "torc
                 os.replace(alias + ".tmp", alias)
             built_auto.append(model)
     act = str(activation_dtype(weights_mode, torch.device("cpu"))).removeprefix("torch.")
-    key = f"{weights_mode}-{act}-torch{torch.__version__.split('+')[0]}-v2"
+    # the head is int8 only where the CPU kernels run (:func:`worker.quant.quantized_head`): part of the key
+    kernels = "qgemm" if cpu_kernels.load() is not None else "dense"
+    key = f"{weights_mode}-{act}-torch{torch.__version__.split('+')[0]}-{kernels}-v3"
     folder = model_files.cached_entry(path, "weights", key, build, ["model.safetensors"])
     if built:
         return built[0]

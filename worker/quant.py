@@ -1,62 +1,43 @@
-"""Linear layers of the model: dense, or weight-only int4 / int8 through torch's own CPU kernels.
+"""Linear layers of the model: dense (``F.linear``), or weight-only int4 / int8 through Sluice's CPU kernels.
 
-Every projection of :class:`worker.model.LlamaModel` is a :class:`Linear`; ``forward(x, rows)`` takes the step's
-activations ``[num_tokens, in_features]`` and a :class:`RowSplit` saying which rows are decode tokens (the one new
-token of a sequence, a token it generated) and which are prefill tokens (a chunk of a prompt, even of one token)::
+Every projection of :class:`worker.model.LlamaModel` is a :class:`Linear`; ``forward(x)`` takes the step's
+activations ``[num_tokens, in_features]``. The quantized layers keep the weights as GGUF stores them, in groups of
+32 input features: int4 codes with a float32 scale and zero per group (Q4_0 / Q4_1, exactly as in the file) or
+int8 codes with a scale per group (Q8_0); every row, prefill and decode alike, goes through ``q4_linear`` /
+``q8_linear`` of :mod:`worker.cpu_kernels`, which quantize the activations to int8 per row and group on the fly
+(llama.cpp's arithmetic on the CPU) and compute each output from its own row alone, in a fixed order. So a
+request's tokens depend neither on its neighbours in the batch nor on how its prompt was chunked or cached
+(``tests/worker/test_model_quant.py``). The dense layers pad their rows to a multiple of ``PREFILL_ROWS_MULTIPLE``
+so that MKL rounds each row alike (:func:`padded_linear`).
 
-    decode rows  ──▶ weight-only quantized matmul, bf16 inputs (reads 4 or 8 bits a weight: decode is memory-bound)
-    prefill rows ──▶ dense matmul over the same weights dequantized once at load, in the activations' dtype
-                     (:func:`cpu_activation_dtype`: bf16 with bf16 hardware, else fp32; compute-bound)
+Why these kernels: the four projections of 10 SmolLM2-135M layers (qkv 960x576, o 576x576, gate_up 3072x576, down
+576x1536) called in a loop, random weights, median of 5, 2 threads, a quiet 2-core AMD EPYC with AVX2 only (no
+AVX-512, no bf16 hardware), torch 2.13::
 
-The kernel a row takes depends only on the row's kind, never on how many other rows share the step; the quantized
-kernels compute each output row independently of the others, and the prefill matmul is padded to a multiple of
-``PREFILL_ROWS_MULTIPLE`` rows so that MKL rounds each row alike (``_SplitLinear._prefill``). So a request's tokens
-depend neither on its neighbours in the batch nor on how its prompt was chunked or cached
-(``tests/worker/test_model_quant.py``).
+    rows                    1        16       64      256      512
+    q4_linear (Sluice)    1.2 ms   10.7 ms  41.8 ms  171 ms   344 ms
+    dense fp32 (MKL)      9.9 ms   23.1 ms  47.5 ms  149 ms   266 ms
 
-Kernels on a 2-core AMD EPYC with AVX-512 (avx512_bf16, avx512_vnni), torch 2.13, one thread: the four projections
-of 10 SmolLM2-135M layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) called in a loop, random
-weights, 5 repeats (a shared machine: read ratios rather than absolute times)::
+and the LM head (49152 x 576): q8_linear 1.1 / 8.1 / 16.9 ms at 1 / 16 / 32 rows against 10.1 / 27.1 / 37.1 ms
+dense. torch's own ``aten._weight_int4pack_mm_for_cpu`` needs bf16 inputs, which this CPU multiplies without
+hardware: 26 ms at 1 row for these 10 layers, 326 ms at 32 on a shared machine, its time per row growing with the
+rows; ``aten._weight_int8pack_mm`` likewise (16 / 303 ms). Dense MKL is faster only past about 128 rows (long
+prefill chunks, 1.3x at 512 rows); one kernel for every row keeps a row's result independent of the step's shape
+and the weights at 4.5 bits each in memory (no dense copy beside them). Where the kernels cannot run (no AVX2,
+no compiler) the quantized layers dequantize once at load and run ``F.linear``.
 
-    rows            1        4       16       32      128
-    int4 bf16     2.0 ms   3.4 ms  14.2 ms  51.2 ms  147 ms   aten._weight_int4pack_mm_for_cpu
-    dense bf16   15.7 ms   6.9 ms   8.6 ms  18.9 ms   15 ms   F.linear (oneDNN)
-    int4 fp16     134 ms                                      (no vectorised path: unusable)
-    int4 fp32     209 ms                                      (idem)
-    int8 bf16    ~1.9x dense bf16's time at 1 row, 3.5x slower at 32   aten._weight_int8pack_mm
-
-The same on a 2-core AMD EPYC with AVX2 only (no AVX-512, no bf16 hardware), a heavily shared machine (medians)::
-
-    rows            1        4        8       16       32
-    int4 bf16      26 ms    42 ms    76 ms   124 ms   326 ms
-    int8 bf16      16 ms    32 ms    78 ms   130 ms   303 ms
-    dense bf16     38 ms    87 ms   245 ms   415 ms   779 ms   (no bf16 hardware: no fast path)
-    dense fp32     51 ms    77 ms    75 ms   178 ms   159 ms   (MKL)
-    int4 fp32 input: 14x the bf16 input's time at 1 row
-
-and the whole model on that CPU through the engine (one thread, the weights modes interleaved step by step in one
-process, fastest of 20 steps): one stream decodes in 117 ms a step with int4 decode rows, 173 ms in fp32, and an
-80-token prompt prefills in 1.3 s with fp32 prefill rows against 7.1 s in bf16. So int4 decode rows always run
-``_weight_int4pack_mm_for_cpu`` with bf16 inputs, and prefill rows the dense copy in bf16 where the CPU has bf16
-hardware, else in fp32 (``model.weights = "auto"`` picks int4 for a Q4 file on both). The int4 kernel computes
-``w = (q - 8) * scale + zero`` per group of ``group_size`` input features with ``scale`` and ``zero`` in bf16:
-GGUF's Q4_0/Q4_1 fp16 group scales (``d``) and mins (``m``) map to ``scale = d``, ``zero = m + 8 d`` exactly in fp32
-and are rounded once to bf16 (relative error <= 2**-9; the fp16/fp32 kernels that would keep them exact are much
-slower, above). int8 uses ``_weight_int8pack_mm`` (one scale per output channel): a GGUF Q8_0 / Q5_* / Q6_K tensor
-is requantized from its exact fp32 dequantization to symmetric per-channel int8 (error <= scale / 2 per weight,
-scale = row absmax / 127).
+Error: the weights are the file's own; each matmul input is rounded to int8 per group of 32 (at most max|x| / 254
+per element) where a bf16 input would round to 2**-9 of each element; measured against the fp32 path on the
+default model in ``tests/worker/test_model_quant.py``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 INT4_GROUP_SIZE = 32
-DECODE_ROWS_PER_CALL = 8
-#: prefill matmuls run on a multiple of this many rows (zero rows appended), see :meth:`_SplitLinear.forward`
+#: dense matmuls run on a multiple of this many rows (zero rows appended), see :func:`padded_linear`
 PREFILL_ROWS_MULTIPLE = 8
 
 
@@ -66,54 +47,13 @@ def cpu_has_native_bf16() -> bool:
 
 
 def cpu_activation_dtype() -> torch.dtype:
-    """The activations' (and the KV pool's) dtype of the quantized weights modes on this CPU: bf16 where the CPU
-    has bf16 hardware, else fp32 (without it a bf16 matmul is several times slower than fp32's, module docstring).
-    Only the quantized kernels' inputs are rounded to bf16 then."""
+    """The activations' (and the KV pool's) dtype of the quantized weights modes on this CPU: fp32 where Sluice's
+    kernels run (they take and give fp32, and the fused layer operations are fp32); without them, the dense
+    fallback's dtype: bf16 where the CPU multiplies bf16 in hardware, else fp32 (a bf16 matmul without it is
+    several times slower than fp32's)."""
+    if _kernels() is not None:
+        return torch.float32
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-@dataclass
-class RowSplit:
-    """Which rows of a step's ``[num_tokens, ...]`` activations are decode tokens.
-
-    Attributes:
-        decode_rows: ``[num_decode]`` int64 row indices, or None when every row is a decode row or none is.
-        prefill_rows: ``[num_prefill]`` int64 row indices, or None under the same condition.
-        all_decode: every row is a decode row.
-        any_decode: at least one row is.
-    """
-
-    decode_rows: torch.Tensor | None
-    prefill_rows: torch.Tensor | None
-    all_decode: bool
-    any_decode: bool
-
-    @classmethod
-    def from_decode_seqs(cls, query_start_loc: list[int], decode_seqs: list[bool], device: torch.device) -> RowSplit:
-        """Rows of the decode steps (``ForwardBatch.decode_seqs``) are decode rows; the others are prefill rows."""
-        decode = [query_start_loc[s] for s, is_decode in enumerate(decode_seqs) if is_decode]
-        return cls.from_decode_rows(decode, query_start_loc[-1], device)
-
-    @classmethod
-    def from_decode_rows(cls, decode: list[int], num_rows: int, device: torch.device) -> RowSplit:
-        """Rows ``decode`` (ascending) of ``num_rows`` are decode rows; the others are prefill rows."""
-        if len(decode) == num_rows or not decode:
-            return cls(None, None, all_decode=len(decode) == num_rows, any_decode=bool(decode))
-        mask = torch.zeros(num_rows, dtype=torch.bool)
-        mask[decode] = True
-        decode_rows = mask.nonzero().squeeze(1).to(device)
-        prefill_rows = (~mask).nonzero().squeeze(1).to(device)
-        return cls(decode_rows, prefill_rows, all_decode=False, any_decode=True)
-
-    @classmethod
-    def prefill_only(cls) -> RowSplit:
-        """Every row is a prefill row."""
-        return cls(None, None, all_decode=False, any_decode=False)
-
-    @classmethod
-    def decode_only(cls) -> RowSplit:
-        """Every row is a decode row."""
-        return cls(None, None, all_decode=True, any_decode=True)
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -153,7 +93,7 @@ class Linear:
     out_features: int
     in_features: int
 
-    def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:  # pragma: no cover - interface
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -176,7 +116,7 @@ class DenseLinear(Linear):
         self.bias = bias
         self.out_features, self.in_features = weight.shape
 
-    def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return padded_linear(x, self.weight, self.bias)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -186,59 +126,58 @@ class DenseLinear(Linear):
         return out
 
 
-class _SplitLinear(Linear):
-    """Decode rows through ``self._decode`` (bf16 activations), prefill rows through the dense copy ``self.dense``
-    (in the prefill dtype, :func:`prefill_dtype`); the output is in the input's dtype."""
+def _kernels():
+    from worker.cpu_kernels import load
 
-    dense: torch.Tensor
+    return load()
+
+
+class _QuantizedLinear(Linear):
+    """Every row through Sluice's quantized kernel (float32 in and out, any activations' dtype around it); where
+    the kernels do not run, through ``F.linear`` over the weights dequantized once (:func:`padded_linear`)."""
+
     bias: torch.Tensor | None
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+    def __init__(self) -> None:
+        self._kernels = _kernels()
+        self._dense = None if self._kernels is not None else self.dequantized().to(cpu_activation_dtype())
+
+    def dequantized(self) -> torch.Tensor:  # pragma: no cover - interface
+        """The weights ``[out, in]`` float32."""
         raise NotImplementedError
 
-    def _decode_as(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16:
-            return self._decode(x)
-        return self._decode(x.to(torch.bfloat16)).to(x.dtype)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
 
-    def _prefill(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return padded_linear(x, self.dense, bias)
-
-    def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
-        if rows.all_decode:
-            out = self._decode_as(x)
-        elif not rows.any_decode:
-            return self._prefill(x, self.bias)
-        else:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-            out.index_copy_(0, rows.decode_rows, self._decode_as(x.index_select(0, rows.decode_rows)))
-            out.index_copy_(0, rows.prefill_rows, self._prefill(x.index_select(0, rows.prefill_rows), None))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None:
+            return padded_linear(x, self._dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        out = self._matmul(x.float().contiguous()).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 
-class Int4Linear(_SplitLinear):
-    """Weight-only int4 with per-group scale and zero (``aten._weight_int4pack_mm_for_cpu``), see the module.
+class Int4Linear(_QuantizedLinear):
+    """Weight-only int4 in groups of 32 input features with a scale and a zero each (GGUF's Q4_0 / Q4_1 blocks),
+    every row through Sluice's ``q4_linear`` (:mod:`worker.cpu_kernels`), see the module.
 
     Build it with :meth:`from_codes` (or :func:`linear_from_tensors` from the cache).
 
     Attributes:
-        packed: the kernel's packed codes (uint8).
-        scales_and_zeros: ``[in // group_size, out, 2]`` bf16.
-        dense: ``[out, in]``, the same weights dequantized (prefill rows), in the activations' dtype.
+        codes: ``[out, in // 2]`` uint8, two codes a byte in GGUF's order (:mod:`worker.cpu_kernels`).
+        scale, zero: ``[out, in // 32]`` float32, ``w = (code - 8) * scale + zero``.
         bias: ``[out]`` in the activations' dtype, or None.
-        group_size: input features per group (32: GGUF's block).
     """
 
     kind = "int4"
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, dense: torch.Tensor,
-                 bias: torch.Tensor | None, group_size: int) -> None:
-        self.packed = packed
-        self.scales_and_zeros = scales_and_zeros
-        self.dense = dense
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        self.codes = codes
+        self.scale = scale
+        self.zero = zero
         self.bias = bias
-        self.group_size = group_size
-        self.out_features, self.in_features = dense.shape
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
+        super().__init__()
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
@@ -247,83 +186,101 @@ class Int4Linear(_SplitLinear):
 
         Args:
             q: ``[out, in]`` integer codes in ``[0, 15]`` (any int dtype).
-            scale, zero: ``[out, in // group_size]`` float32 (rounded to bf16 here, the kernel's dtype).
+            scale, zero: ``[out, in // 32]`` float32, kept exact.
             bias: ``[out]`` or None.
-            group_size: input features per group.
-            dtype: the activations' dtype, of the dense copy and the bias (default: :func:`cpu_activation_dtype`).
+            group_size: input features per group: 32 (the kernel's).
+            dtype: the activations' dtype, of the bias (default: :func:`cpu_activation_dtype`).
 
         Raises:
-            ValueError: ``in`` is not a multiple of ``group_size``.
+            ValueError: ``group_size`` is not 32, or ``in`` is not a multiple of it.
         """
         out_features, in_features = q.shape
-        if in_features % group_size:
-            raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        if group_size != INT4_GROUP_SIZE or in_features % group_size:
+            raise ValueError(f"int4 weights need groups of {INT4_GROUP_SIZE} input features "
+                             f"(got {group_size}, in_features {in_features})")
+        groups = q.to(torch.uint8).view(out_features, in_features // group_size, group_size)
+        codes = (groups[..., :16] | (groups[..., 16:] << 4)).reshape(out_features, in_features // 2).contiguous()
         dtype = dtype or cpu_activation_dtype()
-        sz = scales_and_zeros.float()
-        dense = ((q.float() - 8) * sz[..., 0].t().repeat_interleave(group_size, dim=1)
-                 + sz[..., 1].t().repeat_interleave(group_size, dim=1)).to(dtype)
-        return cls(packed, scales_and_zeros, dense, None if bias is None else bias.to(dtype), group_size)
+        return cls(codes, scale.float().contiguous(), zero.float().contiguous(),
+                   None if bias is None else bias.to(dtype))
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        # At most DECODE_ROWS_PER_CALL rows a call: the kernel's time per row grows past about 16 rows (2-core
-        # EPYC, one thread, 10 layers: 32 rows in one call 51 ms, in calls of 8 rows 28 ms); rows are computed
-        # independently, so the split does not change a bit of the result.
-        if x.shape[0] <= DECODE_ROWS_PER_CALL:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
-        return torch.cat([
-            torch.ops.aten._weight_int4pack_mm_for_cpu(part, self.packed, self.group_size, self.scales_and_zeros)
-            for part in x.split(DECODE_ROWS_PER_CALL)
-        ])
+    def dequantized(self) -> torch.Tensor:
+        packed = self.codes.view(self.out_features, -1, 16)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        return ((q - 8) * self.scale[..., None] + self.zero[..., None]).view(self.out_features, self.in_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.q4_linear(x, self.codes, self.scale, self.zero)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros, "dense": self.dense,
-               "group_size": torch.tensor([self.group_size])}
+        out = {"codes": self.codes, "scale": self.scale, "zero": self.zero}
         if self.bias is not None:
             out["bias"] = self.bias
         return out
 
 
-class Int8Linear(_SplitLinear):
-    """Weight-only int8 with one scale per output channel (``aten._weight_int8pack_mm``), see the module.
+class Int8Linear(_QuantizedLinear):
+    """Weight-only int8 in groups of 32 input features with one scale each (GGUF's Q8_0 block), every row through
+    Sluice's ``q8_linear`` (:mod:`worker.cpu_kernels`), see the module.
 
     Attributes:
-        q: ``[out, in]`` int8.
-        scales: ``[out]`` bf16.
-        dense: ``[out, in]`` dequantized copy (prefill rows) in the activations' dtype.
+        codes: ``[out, in]`` int8, ``w = code * scale``.
+        scale: ``[out, in // 32]`` float32.
         bias: ``[out]`` in the activations' dtype, or None.
     """
 
     kind = "int8"
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.q = q
-        self.scales = scales
-        self.dense = dense
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.codes = codes
+        self.scale = scale
         self.bias = bias
-        self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = codes.shape
+        super().__init__()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    dtype: torch.dtype | None = None) -> Int8Linear:
-        """Quantize ``weight [out, in]`` (float) to symmetric per-channel int8: ``scale = absmax / 127``; the dense
-        copy and the bias in ``dtype`` (default: :func:`cpu_activation_dtype`)."""
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16)
-        q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        dtype = dtype or cpu_activation_dtype()
-        dense = (q.float() * scales.float()[:, None]).to(dtype)
-        return cls(q, scales, dense, None if bias is None else bias.to(dtype))
+        """Quantize ``weight [out, in]`` (float) to symmetric int8 per group of 32: ``scale = absmax / 127``
+        (llama.cpp's Q8_0; a Q8_0 tensor's own codes and scales come back exactly where a group's largest code
+        is +-127, which llama.cpp's quantizer makes so); the bias in ``dtype`` (default:
+        :func:`cpu_activation_dtype`).
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        Raises:
+            ValueError: ``in`` is not a multiple of 32.
+        """
+        out_features, in_features = weight.shape
+        if in_features % INT4_GROUP_SIZE:
+            raise ValueError(f"int8 weights need in_features a multiple of {INT4_GROUP_SIZE} (got {in_features})")
+        w = weight.float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        scale = w.abs().amax(dim=-1) / 127
+        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes = torch.round(w * inverse[..., None]).clamp_(-127, 127).to(torch.int8)
+        dtype = dtype or cpu_activation_dtype()
+        return cls(codes.view(out_features, in_features).contiguous(), scale.contiguous(),
+                   None if bias is None else bias.to(dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        groups = self.codes.float().view(self.out_features, -1, INT4_GROUP_SIZE)
+        return (groups * self.scale[..., None]).view(self.out_features, self.in_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.q8_linear(x, self.codes, self.scale)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"q": self.q, "scales": self.scales, "dense": self.dense}
+        out = {"codes": self.codes, "scale": self.scale}
         if self.bias is not None:
             out["bias"] = self.bias
         return out
+
+
+def quantized_head(weight: torch.Tensor, weights_mode: str) -> Linear:
+    """The LM head ``[vocab, hidden]`` of a model in ``weights_mode``: in the quantized modes on a CPU whose kernels
+    run, int8 in groups of 32 (:class:`Int8Linear`, as llama.cpp's head takes the file's Q8_0 embedding); else
+    dense over ``weight`` itself."""
+    if weights_mode in ("int4", "int8") and not weight.is_cuda and _kernels() is not None:
+        return Int8Linear.from_float(weight)
+    return DenseLinear(weight)
 
 
 def quantize_int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
@@ -348,8 +305,7 @@ def linear_from_tensors(kind: str, tensors: dict[str, torch.Tensor]) -> Linear:
     if kind == "dense":
         return DenseLinear(tensors["weight"], bias)
     if kind == "int4":
-        return Int4Linear(tensors["packed"], tensors["scales_and_zeros"], tensors["dense"], bias,
-                          int(tensors["group_size"][0]))
+        return Int4Linear(tensors["codes"], tensors["scale"], tensors["zero"], bias)
     if kind == "int8":
-        return Int8Linear(tensors["q"], tensors["scales"], tensors["dense"], bias)
+        return Int8Linear(tensors["codes"], tensors["scale"], bias)
     raise ValueError(f"unknown linear kind {kind!r}")

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from worker.quant import INT4_GROUP_SIZE, Linear, RowSplit, quantize_int4_groups
+from worker.quant import INT4_GROUP_SIZE, Linear, quantize_int4_groups
 
 INT4_INNER_K_TILES = 8
 INT4_MIN_CAPABILITY = (8, 0)
@@ -83,7 +83,7 @@ class CudaInt4Linear(Linear):
         return cls(packed, scales_and_zeros, None if bias is None else bias.to(torch.bfloat16), group_size,
                    out_features, in_features)
 
-    def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.packed, self.group_size,
                                                  self.scales_and_zeros)
         return out if self.bias is None else out + self.bias
@@ -131,7 +131,7 @@ class CudaInt8Linear(Linear):
         q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scales, None if bias is None else bias.to(torch.bfloat16))
 
-    def forward(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         if self.kernel == "int8pack_mm":
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scales)

@@ -43,8 +43,11 @@ def test_unavailable_without_cuda() -> None:
         CupyAttentionBackend(torch.device("cpu"))
 
 
-def test_auto_backend_on_cpu_is_torch() -> None:
-    assert make_attention_backend("auto", "cpu").name == "torch"
+def test_auto_backend_on_cpu_is_the_cpu_kernel_where_it_loads_else_torch() -> None:
+    from worker import cpu_kernels
+
+    expected = "cpu" if cpu_kernels.load() is not None else "torch"
+    assert make_attention_backend("auto", "cpu").name == expected
 
 
 def test_cpu_tensors_are_rejected_with_a_clear_error() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.quant import RowSplit, quantize_int4_groups
+from worker.quant import quantize_int4_groups
 from worker.quant_cuda import cuda_quant_unsupported_reason
 
 
@@ -30,9 +30,9 @@ def test_cuda_int4_and_int8_layers_match_their_dequantized_weights():
     q, scale, zero = quantize_int4_groups(weight)
     group = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
     dequant4 = ((q.float() - 8) * group(scale.to(torch.bfloat16).float()) + group(zero.to(torch.bfloat16).float()))
-    out4 = make_cuda_linear(weight, None, "int4").forward(x, RowSplit.decode_only())
+    out4 = make_cuda_linear(weight, None, "int4").forward(x)
     torch.testing.assert_close(out4.float(), x.float() @ dequant4.t(), rtol=2e-2, atol=2e-2)
     layer8 = make_cuda_linear(weight, None, "int8")
-    out8 = layer8.forward(x, RowSplit.decode_only())
+    out8 = layer8.forward(x)
     dequant8 = layer8.q.float() * layer8.scales.float()[:, None]
     torch.testing.assert_close(out8.float(), x.float() @ dequant8.t(), rtol=2e-2, atol=2e-2)

@@ -4,9 +4,10 @@ A backend writes the step's new K/V into their slots and attends every query tok
 sequence's context. The model calls :meth:`AttentionBackend.begin_forward` once per step (per-step metadata
 shared by all layers), then :meth:`AttentionBackend.forward` once per layer.
 
-Backends: ``torch`` (:mod:`worker.attention.torch_ref`, CPU and GPU) and ``cupy`` (``worker.attention.cupy_paged``,
-class ``CupyAttentionBackend``, CUDA only). ``auto`` picks ``cupy`` on a CUDA device when CuPy imports, else
-``torch``.
+Backends: ``torch`` (:mod:`worker.attention.torch_ref`, CPU and GPU), ``cpu`` (:mod:`worker.attention.cpu_paged`,
+Sluice's AVX2 decode kernel, CPU only) and ``cupy`` (``worker.attention.cupy_paged``, class
+``CupyAttentionBackend``, CUDA only). ``auto`` picks ``cupy`` on a CUDA device when CuPy imports, ``cpu`` on the CPU
+when Sluice's CPU kernels load (:func:`worker.cpu_kernels.load`), else ``torch``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 # name -> (module, class); imported lazily so that CuPy is only needed when asked for.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("worker.attention.torch_ref", "TorchAttentionBackend"),
+    "cpu": ("worker.attention.cpu_paged", "CpuAttentionBackend"),
     "cupy": ("worker.attention.cupy_paged", "CupyAttentionBackend"),
 }
 
@@ -71,17 +73,23 @@ class AttentionBackend(ABC):
 
 
 def make_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Create the attention backend called ``name`` (``auto``, ``torch`` or ``cupy``) for ``device``.
+    """Create the attention backend called ``name`` (``auto``, ``torch``, ``cpu`` or ``cupy``) for ``device``.
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
         ImportError: ``cupy`` asked for and CuPy (or its backend module) is missing.
+        RuntimeError: ``cpu`` asked for where Sluice's CPU kernels do not run.
     """
     device = torch.device(device)
     if name == "auto":
         name = "torch"
         if device.type == "cuda" and importlib.util.find_spec("cupy") is not None:
             name = "cupy"
+        elif device.type == "cpu":
+            from worker import cpu_kernels
+
+            if cpu_kernels.load() is not None:
+                name = "cpu"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; valid: auto, {', '.join(sorted(_BACKENDS))}")
     module_name, class_name = _BACKENDS[name]

@@ -238,23 +238,24 @@ def sdpa_decode_attention(
 
 
 def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             block_ids: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
+             kv_rows: torch.Tensor | None = None) -> None:
     """Write this step's K/V into their slots of one layer's pool, in place.
 
     Args:
         layer_kv: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, contiguous.
         k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the pool's dtype.
         slot_mapping: ``[num_tokens]`` int64 flat slots ``block_id * block_size + offset``.
-        block_ids, offsets: ``slot_mapping`` split into block and offset (computed here when None; a backend
-            computes them once per step).
+        kv_rows: the rows of ``layer_kv[i].view(-1, head_dim)`` of every (token, KV head), token-major
+            (``_StepPlan.kv_rows``; computed here from ``slot_mapping`` when None).
     """
-    block_size = layer_kv.shape[3]
-    if block_ids is None or offsets is None:
+    num_kv_heads, block_size, head_dim = layer_kv.shape[2], layer_kv.shape[3], layer_kv.shape[4]
+    if kv_rows is None:
         block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-        offsets = slot_mapping - block_ids * block_size
-    # Advanced indices split by a slice: the indexed view is [num_tokens, num_kv_heads, head_dim], like k and v.
-    layer_kv[0][block_ids, :, offsets] = k
-    layer_kv[1][block_ids, :, offsets] = v
+        heads = torch.arange(num_kv_heads, device=slot_mapping.device)
+        kv_rows = ((block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size
+                   + (slot_mapping - block_ids * block_size)[:, None]).reshape(-1)
+    layer_kv[0].view(-1, head_dim).index_copy_(0, kv_rows, k.reshape(-1, head_dim))
+    layer_kv[1].view(-1, head_dim).index_copy_(0, kv_rows, v.reshape(-1, head_dim))
 
 
 def _causal_offset_mask(num_new: int, context_len: int, device: torch.device) -> torch.Tensor:
@@ -269,32 +270,42 @@ class _StepPlan:
     Attributes:
         all_decode: every sequence is a decode step (``forward`` returns the decode output directly).
         decode_rows: ``[num_decode]`` int64 token rows of the decode steps, or None when all or none are.
-        decode_meta: :class:`DecodeMeta` of the decode steps, or None when there are none.
+        decode_tables, decode_lens: ``[num_decode, max_blocks]`` int32 block tables and ``[num_decode]`` int32
+            context lengths of the decode steps, or None when there are none; ``decode_lens_host`` the same as ints.
+        decode_meta: :class:`DecodeMeta` of the decode steps (built at first use), or None when there are none.
+        kv_rows: ``[num_tokens * num_kv_heads]`` int64 rows of the pool seen as ``[-1, head_dim]`` where this step's
+            K/V go (:func:`write_kv`).
         prefills: per prefill chunk ``(first row, end row, context_len, block ids [num_ctx_blocks] int64,
             causal offset mask [n, context_len] bool or None when the chunk is the whole context)``.
     """
 
     def __init__(self, batch: ForwardBatch, pool: torch.Tensor) -> None:
-        block_size = pool.shape[2]
+        block_size, num_kv_heads = pool.shape[2], pool.shape[1]
         self.block_ids = torch.div(batch.slot_mapping, block_size, rounding_mode="floor")
         self.offsets = batch.slot_mapping - self.block_ids * block_size
+        # rows of a pool viewed as [num_blocks * num_kv_heads * block_size, head_dim] that this step's K/V
+        # [num_tokens * num_kv_heads, head_dim] go to (token-major, as k.reshape(-1, head_dim) lays them out)
+        heads = torch.arange(num_kv_heads, device=pool.device)
+        self.kv_rows = ((self.block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size
+                        + self.offsets[:, None]).reshape(-1)
+        self._pool = pool
         qsl = batch.query_start_loc
         device = batch.block_tables.device
         decode_seqs = [s for s, is_decode in enumerate(batch.decode_seqs) if is_decode]
         self.all_decode = len(decode_seqs) == batch.num_seqs
         self.decode_rows: torch.Tensor | None = None
-        self.decode_meta: DecodeMeta | None = None
+        self.decode_tables: torch.Tensor | None = None
+        self.decode_lens: torch.Tensor | None = None
+        self.decode_lens_host: list[int] = []
         if self.all_decode:
-            self.decode_meta = DecodeMeta.build(batch.block_tables, batch.context_lens, batch.seq_lens, pool)
+            self.decode_tables, self.decode_lens = batch.block_tables, batch.context_lens
+            self.decode_lens_host = batch.seq_lens
         elif decode_seqs:
             index = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
             self.decode_rows = torch.tensor([qsl[s] for s in decode_seqs], dtype=torch.int64, device=device)
-            self.decode_meta = DecodeMeta.build(
-                batch.block_tables.index_select(0, index),
-                batch.context_lens.index_select(0, index),
-                [batch.seq_lens[s] for s in decode_seqs],
-                pool,
-            )
+            self.decode_tables = batch.block_tables.index_select(0, index)
+            self.decode_lens = batch.context_lens.index_select(0, index)
+            self.decode_lens_host = [batch.seq_lens[s] for s in decode_seqs]
         self.prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
         for s in range(batch.num_seqs):
             start, end = qsl[s], qsl[s + 1]
@@ -305,6 +316,14 @@ class _StepPlan:
             blocks = batch.block_tables[s, :num_blocks].to(torch.int64)
             mask = None if end - start == context_len else _causal_offset_mask(end - start, context_len, device)
             self.prefills.append((start, end, context_len, blocks, mask))
+        self._decode_meta: DecodeMeta | None = None
+
+    @property
+    def decode_meta(self) -> DecodeMeta | None:
+        if self._decode_meta is None and self.decode_tables is not None:
+            self._decode_meta = DecodeMeta.build(self.decode_tables, self.decode_lens, self.decode_lens_host,
+                                                 self._pool)
+        return self._decode_meta
 
 
 def _gather_context(pool: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -384,6 +403,12 @@ class TorchAttentionBackend(AttentionBackend):
             self._plan_batch = batch
         return self._plan
 
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan,
+                scale: float) -> torch.Tensor:
+        """Decode attention of the decode steps' queries ``q [num_decode, num_heads, head_dim]``."""
+        decode = sdpa_decode_attention if k_cache.device.type == "cpu" else paged_decode_attention_with_meta
+        return decode(q, k_cache, v_cache, plan.decode_meta, scale)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -397,15 +422,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads = layer_kv.shape[2]
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         plan = self._plan_for(batch, k_cache)
-        write_kv(layer_kv, k, v, batch.slot_mapping, plan.block_ids, plan.offsets)
-        decode = sdpa_decode_attention if k_cache.device.type == "cpu" else paged_decode_attention_with_meta
+        write_kv(layer_kv, k, v, batch.slot_mapping, plan.kv_rows)
         if plan.all_decode:
-            return decode(q, k_cache, v_cache, plan.decode_meta, scale)
+            return self._decode(q, k_cache, v_cache, plan, scale)
         out = torch.empty_like(q)
-        if plan.decode_meta is not None:
+        if plan.decode_tables is not None:
             q_decode = q.index_select(0, plan.decode_rows)
-            out_decode = decode(q_decode, k_cache, v_cache, plan.decode_meta, scale)
-            out.index_copy_(0, plan.decode_rows, out_decode)
+            out.index_copy_(0, plan.decode_rows, self._decode(q_decode, k_cache, v_cache, plan, scale))
         group = q.shape[1] // num_kv_heads
         for start, end, context_len, blocks, mask in plan.prefills:
             if k_cache.device.type == "cpu":

@@ -1,0 +1,72 @@
+"""Sluice's own CPU kernels (``qgemm.cpp``): weight-only quantized matmuls of the decode rows, built on first use.
+
+``q4_linear(x, codes, scale, zero)`` and ``q8_linear(x, codes, scale)`` compute ``x [M, K] @ W[N, K]^T`` in float32
+from weights in groups of 32 input features (GGUF's Q4_0/Q4_1 and Q8_0 layouts), quantizing each row of ``x`` to
+int8 per group on the fly, as llama.cpp's AVX2 path does (the layouts and the arithmetic are in ``qgemm.cpp``). Each
+output depends on its own row and weight row only, computed in a fixed order: a sequence's tokens do not depend on
+its neighbours in the batch nor on the number of threads.
+
+The extension is compiled with :func:`torch.utils.cpp_extension.load` (g++, ninja, AVX2 + FMA) into
+``<cache_root>/cpu_kernels/<torch version>`` the first time a worker needs it (about a minute on a 2-core machine;
+``make install`` does it once ahead: ``python -m worker.cpu_kernels``), then loaded from there in about 0.1 s.
+:func:`load` returns None where the CPU lacks AVX2 or the build fails (the reason is logged once); the quantized
+layers then run their dense copy instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from types import ModuleType
+
+import structlog
+import torch
+
+log = structlog.get_logger("sluice.worker")
+
+SOURCES = [os.path.join(os.path.dirname(__file__), name)
+           for name in ("module.cpp", "qgemm.cpp", "paged_attention.cpp", "elementwise.cpp")]
+#: input features per group of the quantized layouts
+GROUP_SIZE = 32
+
+
+def cpu_supports_kernels() -> bool:
+    """Whether this CPU runs the kernels: AVX2 with FMA (torch's CPU capability AVX2 or AVX512)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def build_directory() -> str:
+    from shared.model_files import cache_root
+
+    return os.path.join(cache_root(), "cpu_kernels", torch.__version__.replace("+", "-"))
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """Return the compiled kernels (building them on first use), or None where they cannot run here.
+
+    Raises nothing: a CPU without AVX2, a missing compiler or a failed build logs ``cpu_kernels_unavailable`` with
+    the reason and returns None.
+    """
+    if not cpu_supports_kernels():
+        log.warning("cpu_kernels_unavailable", reason=f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                    "not AVX2")
+        return None
+    from torch.utils import cpp_extension
+
+    # ninja comes with the package (pip's ninja puts it beside the interpreter, which PATH may not name)
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    folder = build_directory()
+    os.makedirs(folder, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="sluice_qgemm", sources=SOURCES, build_directory=folder, verbose=False,
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure falls back to the dense path, said once
+        log.warning("cpu_kernels_unavailable", reason=f"build failed: {exc}"[:2000], build_directory=folder)
+        return None

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker import cpu_kernels
+
 INT4_GROUP_SIZE = 32
 #: dense matmuls run on a multiple of this many rows (zero rows appended), see :func:`padded_linear`
 PREFILL_ROWS_MULTIPLE = 8
@@ -51,7 +53,7 @@ def cpu_activation_dtype() -> torch.dtype:
     kernels run (they take and give fp32, and the fused layer operations are fp32); without them, the dense
     fallback's dtype: bf16 where the CPU multiplies bf16 in hardware, else fp32 (a bf16 matmul without it is
     several times slower than fp32's)."""
-    if _kernels() is not None:
+    if cpu_kernels.load() is not None:
         return torch.float32
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
@@ -126,12 +128,6 @@ class DenseLinear(Linear):
         return out
 
 
-def _kernels():
-    from worker.cpu_kernels import load
-
-    return load()
-
-
 class _QuantizedLinear(Linear):
     """Every row through Sluice's quantized kernel (float32 in and out, any activations' dtype around it); where
     the kernels do not run, through ``F.linear`` over the weights dequantized once (:func:`padded_linear`)."""
@@ -139,7 +135,7 @@ class _QuantizedLinear(Linear):
     bias: torch.Tensor | None
 
     def __init__(self) -> None:
-        self._kernels = _kernels()
+        self._kernels = cpu_kernels.load()
         self._dense = None if self._kernels is not None else self.dequantized().to(cpu_activation_dtype())
 
     def dequantized(self) -> torch.Tensor:  # pragma: no cover - interface
@@ -278,7 +274,7 @@ def quantized_head(weight: torch.Tensor, weights_mode: str) -> Linear:
     """The LM head ``[vocab, hidden]`` of a model in ``weights_mode``: in the quantized modes on a CPU whose kernels
     run, int8 in groups of 32 (:class:`Int8Linear`, as llama.cpp's head takes the file's Q8_0 embedding); else
     dense over ``weight`` itself."""
-    if weights_mode in ("int4", "int8") and not weight.is_cuda and _kernels() is not None:
+    if weights_mode in ("int4", "int8") and not weight.is_cuda and cpu_kernels.load() is not None:
         return Int8Linear.from_float(weight)
     return DenseLinear(weight)
 

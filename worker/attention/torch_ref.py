@@ -237,6 +237,16 @@ def sdpa_decode_attention(
     return out
 
 
+def pool_rows(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Rows of one layer's K (or V) pool seen as ``[num_blocks * num_kv_heads * block_size, head_dim]`` where the
+    tokens of ``slot_mapping [num_tokens]`` (int64 ``block_id * block_size + offset``) go: ``[num_tokens *
+    num_kv_heads]`` int64, token-major (as ``k.reshape(-1, head_dim)`` lays a step's K out)."""
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    heads = torch.arange(num_kv_heads, device=slot_mapping.device)
+    offsets = slot_mapping - block_ids * block_size
+    return ((block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(-1)
+
+
 def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              kv_rows: torch.Tensor | None = None) -> None:
     """Write this step's K/V into their slots of one layer's pool, in place.
@@ -245,15 +255,12 @@ def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         layer_kv: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``, contiguous.
         k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the pool's dtype.
         slot_mapping: ``[num_tokens]`` int64 flat slots ``block_id * block_size + offset``.
-        kv_rows: the rows of ``layer_kv[i].view(-1, head_dim)`` of every (token, KV head), token-major
-            (``_StepPlan.kv_rows``; computed here from ``slot_mapping`` when None).
+        kv_rows: :func:`pool_rows` of ``slot_mapping`` (``_StepPlan.kv_rows``, once per step; computed here when
+            None).
     """
-    num_kv_heads, block_size, head_dim = layer_kv.shape[2], layer_kv.shape[3], layer_kv.shape[4]
+    head_dim = layer_kv.shape[4]
     if kv_rows is None:
-        block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-        heads = torch.arange(num_kv_heads, device=slot_mapping.device)
-        kv_rows = ((block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size
-                   + (slot_mapping - block_ids * block_size)[:, None]).reshape(-1)
+        kv_rows = pool_rows(slot_mapping, layer_kv.shape[2], layer_kv.shape[3])
     layer_kv[0].view(-1, head_dim).index_copy_(0, kv_rows, k.reshape(-1, head_dim))
     layer_kv[1].view(-1, head_dim).index_copy_(0, kv_rows, v.reshape(-1, head_dim))
 
@@ -273,21 +280,14 @@ class _StepPlan:
         decode_tables, decode_lens: ``[num_decode, max_blocks]`` int32 block tables and ``[num_decode]`` int32
             context lengths of the decode steps, or None when there are none; ``decode_lens_host`` the same as ints.
         decode_meta: :class:`DecodeMeta` of the decode steps (built at first use), or None when there are none.
-        kv_rows: ``[num_tokens * num_kv_heads]`` int64 rows of the pool seen as ``[-1, head_dim]`` where this step's
-            K/V go (:func:`write_kv`).
+        kv_rows: :func:`pool_rows` of the step's slots, where :func:`write_kv` puts its K/V.
         prefills: per prefill chunk ``(first row, end row, context_len, block ids [num_ctx_blocks] int64,
             causal offset mask [n, context_len] bool or None when the chunk is the whole context)``.
     """
 
     def __init__(self, batch: ForwardBatch, pool: torch.Tensor) -> None:
-        block_size, num_kv_heads = pool.shape[2], pool.shape[1]
-        self.block_ids = torch.div(batch.slot_mapping, block_size, rounding_mode="floor")
-        self.offsets = batch.slot_mapping - self.block_ids * block_size
-        # rows of a pool viewed as [num_blocks * num_kv_heads * block_size, head_dim] that this step's K/V
-        # [num_tokens * num_kv_heads, head_dim] go to (token-major, as k.reshape(-1, head_dim) lays them out)
-        heads = torch.arange(num_kv_heads, device=pool.device)
-        self.kv_rows = ((self.block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size
-                        + self.offsets[:, None]).reshape(-1)
+        block_size = pool.shape[2]
+        self.kv_rows = pool_rows(batch.slot_mapping, pool.shape[1], block_size)
         self._pool = pool
         qsl = batch.query_start_loc
         device = batch.block_tables.device

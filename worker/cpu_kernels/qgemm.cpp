@@ -183,7 +183,7 @@ struct Q4Kernel {
   template <int R>
   void run(int64_t i0, int64_t n) const {
     q4_dot_rows<R>(w + n * (K / 2), scale + n * G, zero + n * G, G, K, q.xq.data() + i0 * K,
-                      q.xd.data() + i0 * G, q.xd_sum.data() + i0 * G, y + i0 * N + n, N);
+                   q.xd.data() + i0 * G, q.xd_sum.data() + i0 * G, y + i0 * N + n, N);
   }
 };
 

@@ -117,7 +117,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         from worker.backends.sim import build_sim_runner
 
         runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
-        offload = None  # the simulator has no KV tensor to move
+        offload = block_copier = None  # the simulator has no KV tensor to move
         log.warning("simulator_backend", worker_id=worker_id, model=config.model.name, device=device_name,
                     message=SIMULATOR_WARNING)
     else:
@@ -170,6 +170,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device, decode_graphs)
         offload = build_offload_chain(config.kv, runner.block_io, config.model.name, dtype_name)
         atexit.register(offload.close)  # the disk tier's folder
+        block_copier = runner.block_io.copy_block_prefix
         device_name = str(device)
         attention_name = getattr(model.attention, "name", type(model.attention).__name__)
     max_model_len = min(config.model.max_model_len_tokens, spec.max_position_embeddings)
@@ -178,6 +179,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         num_blocks, wc.block_size_tokens, enable_prefix_caching=wc.enable_prefix_caching,
         eviction_policy=config.kv.eviction_policy, config=config.kv, offload=offload,
         pressure_thresholds=tuple((lv.enter_kv_used_fraction, lv.leave_kv_used_fraction) for lv in levels),
+        block_copier=block_copier,
     )
     scheduler = Scheduler(kv_manager, wc.max_num_seqs, wc.max_num_batched_tokens, max_model_len)
     engine = Engine(scheduler, runner, spec.eos_token_ids)

@@ -196,6 +196,14 @@ class KVBlockIO:
                 torch.stack(blocks, dim=0, out=rows)
         return out
 
+    def copy_block_prefix(self, src_block_id: int, dst_block_id: int, num_tokens: int) -> None:
+        """Copy the K/V rows of tokens ``0 .. num_tokens - 1`` of pool block ``src_block_id`` into the same rows of
+        ``dst_block_id``, every layer, K and V: ``kv_cache[:, :, dst, :, :num_tokens] = kv_cache[:, :, src, :,
+        :num_tokens]``, on the pool's device (partial-block prefix reuse)."""
+        if not 0 < num_tokens <= self.block_shape[3]:
+            raise ValueError(f"num_tokens must be in 1..{self.block_shape[3]}, got {num_tokens}")
+        self.kv_cache[:, :, dst_block_id, :, :num_tokens].copy_(self.kv_cache[:, :, src_block_id, :, :num_tokens])
+
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Copy ``data`` (``[block_bytes] uint8``, CPU, from :meth:`read_block`) into pool block ``block_id``."""
         if data.numel() != self.block_bytes:

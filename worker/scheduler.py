@@ -83,7 +83,6 @@ class SeqEvent:
             prompt tokens served by the prefix cache at the first admission.
         error: set when the worker refuses the request (the prompt can never fit the context or the KV pool) or
             drops it unstarted at its start deadline; then ``finish_reason == "abort"`` and nothing was generated.
-            Appended to PLAN.md's fields.
         error_code: the :class:`shared.errors.ErrorCode` value of ``error``: ``queue_timeout`` for a start deadline
             that passed; None for a refusal (``context_length_exceeded``).
     """

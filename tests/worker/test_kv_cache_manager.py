@@ -264,3 +264,87 @@ def test_used_block_fraction_drives_pressure_with_hysteresis():
     assert kv.update_pressure() == "critical"  # 18/20 = 0.9: not below leave 0.9
     kv.free(seqs[2])
     assert kv.update_pressure() == "elevated"  # 17/20 < 0.9 but >= 0.75
+
+
+class RecordingCopier:
+    """Stands in for :meth:`worker.model_runner.KVBlockIO.copy_block_prefix`: records ``(src, dst, num_tokens)``."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+
+    def __call__(self, src_block_id: int, dst_block_id: int, num_tokens: int) -> None:
+        self.copies.append((src_block_id, dst_block_id, num_tokens))
+
+
+def answered(kv: KVCacheManager, request_id: str, prompt: list[int], answer: list[int]) -> Sequence:
+    """Admit ``prompt``, decode ``answer`` token by token, then release it (its full blocks stay cached)."""
+    seq = Sequence(request_id, list(prompt))
+    admit(kv, seq)
+    compute(kv, seq)
+    for token in answer:
+        seq.output_token_ids.append(token)
+        assert kv.allocate_slots(seq, 1) is not None
+        compute(kv, seq)
+    kv.free(seq)
+    return seq
+
+
+def test_a_repeated_prompt_copies_the_rows_of_its_partial_last_block_and_computes_one_token():
+    copier = RecordingCopier()
+    kv = make_manager(8, block_copier=copier)
+    # 10-token prompt + 2 answer tokens: blocks 0, 1 and 2 = (8, 9, 50, 51) are full and cached
+    first = answered(kv, "a", list(range(10)), [50, 51])
+    first_table_block_2 = 2
+    again = Sequence("b", list(range(10)))
+    table = admit(kv, again)
+    assert again.num_computed_tokens == 9  # blocks 0, 1 whole, then token 8 copied; token 9 computed for logits
+    assert table[:2] == [0, 1] and table[2] != first_table_block_2
+    assert copier.copies == [(first_table_block_2, table[2], 1)]
+    assert kv.stats.snapshot()["partial_block_hit_tokens"] == 1
+    assert kv.prefix_hits_tokens == 0 + 9 and first.num_computed_tokens == 12
+    check_accounting(kv)
+
+
+def test_a_prompt_on_a_block_boundary_copies_all_but_its_last_token_from_the_block_it_backs_off():
+    copier = RecordingCopier()
+    kv = make_manager(8, block_copier=copier)
+    answered(kv, "a", list(range(8)), [])
+    again = Sequence("b", list(range(8)))
+    table = admit(kv, again)
+    assert again.num_computed_tokens == 7
+    assert table[0] == 0 and copier.copies == [(1, table[1], 3)]
+
+
+def test_the_longest_agreeing_cached_block_is_the_source_and_a_mismatch_at_once_copies_nothing():
+    copier = RecordingCopier()
+    kv = make_manager(12, block_copier=copier)
+    answered(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8], [])  # block 1 = (5, 6, 7, 8)
+    answered(kv, "b", [1, 2, 3, 4, 5, 6, 0, 0], [])  # block 1 = (5, 6, 0, 0): copied (5, 6) from a's block 1
+    assert copier.copies == [(1, 2, 2)]
+    seq = Sequence("c", [1, 2, 3, 4, 5, 6, 7, 9, 9])
+    table = admit(kv, seq)
+    assert seq.num_computed_tokens == 7 and copier.copies[1:] == [(1, table[1], 3)]
+    other = Sequence("d", [1, 2, 3, 4, 42, 6, 7, 9, 9])
+    admit(kv, other)
+    assert other.num_computed_tokens == 4 and len(copier.copies) == 2
+
+
+def test_the_partial_source_is_never_evicted_to_make_room_for_its_own_copy():
+    copier = RecordingCopier()
+    kv = make_manager(4, block_copier=copier)
+    answered(kv, "a", list(range(8)), [])  # blocks 0, 1 cached, evictable
+    busy = Sequence("busy", list(range(100, 108)))
+    assert admit(kv, busy) == [2, 3]  # the free list is now empty
+    seq = Sequence("b", list(range(8)))
+    # hit block 0 + one new block: the only evictable block is block 1, the copy's source; recompute instead
+    table = admit(kv, seq)
+    assert table == [0, 1] and seq.num_computed_tokens == 4 and copier.copies == []
+    check_accounting(kv)
+
+
+def test_without_a_copier_hits_stay_whole_blocks():
+    kv = make_manager(8)
+    answered(kv, "a", list(range(10)), [50, 51])
+    again = Sequence("b", list(range(10)))
+    admit(kv, again)
+    assert again.num_computed_tokens == 8

@@ -127,7 +127,7 @@ def test_int4_greedy_tokens_agree_with_fp32_on_90_percent(reference, int4, token
     assert agree / total >= 0.90
 
 
-def _engine(model):
+def _engine(model, prefix_caching: bool = False):
     from worker.engine import Engine
     from worker.kv_cache.manager import KVCacheManager
     from worker.model_runner import ModelRunner
@@ -136,19 +136,51 @@ def _engine(model):
     block_size, num_blocks = 16, 160
     kv_cache = model.allocate_kv_cache(num_blocks, block_size)
     runner = ModelRunner(model, kv_cache, block_size, torch.device("cpu"))
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                        block_copier=runner.block_io.copy_block_prefix)
     return Engine(Scheduler(kv, 16, 512, 2048), runner, model.spec.eos_token_ids)
 
 
-def _generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    engine = _engine(model)
+def _generate(model, prompts: list[list[int]], max_tokens: int, engine=None,
+              cached_tokens: list[int] | None = None) -> list[list[int]]:
+    """Greedy answers of ``prompts`` run together; ``cached_tokens`` (when given) receives each one's cache hit."""
+    engine = engine if engine is not None else _engine(model)
     for i, prompt in enumerate(prompts):
         engine.add(f"r{i}", Generate(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens, ignore_eos=True))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    cached = dict.fromkeys(tokens, 0)
     while engine.has_work():
         for event in engine.step().events:
             tokens[event.request_id].extend(event.new_token_ids)
+            cached[event.request_id] = event.cached_tokens
+    if cached_tokens is not None:
+        cached_tokens.extend(cached.values())
     return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_prefix_hits_with_partial_block_copies_answer_as_a_cold_cache_does(gguf_path, tokenizer):
+    """A repeated prompt reuses every token but its last (whole blocks, then rows copied out of the block that
+    held the prompt's tail and the first answer's tokens); a prompt that shares a prefix ending mid-block reuses
+    up to that token. The answers equal those of an engine without a prefix cache. 16 answer tokens fill the block
+    that holds a prompt's tail (only full blocks are cached)."""
+    model = _model(gguf_path, "int4")
+    prompts = [p for p, _ in reference_pairs(tokenizer, 3)]
+    assert all(len(p) % 16 for p in prompts), "a prompt on a block boundary would test only the back-off"
+    branched = prompts[0][:len(prompts[0]) - 3] + [28, 29, 30, 31, 32]  # agrees up to mid-block, then differs
+    assert branched[len(prompts[0]) - 3] != prompts[0][-3]
+    cold = _generate(model, prompts + [branched], 16)
+    engine = _engine(model, prefix_caching=True)
+    first_cached: list[int] = []
+    assert _generate(model, prompts, 16, engine, first_cached) == cold[:3]
+    again_cached: list[int] = []
+    assert _generate(model, prompts, 16, engine, again_cached) == cold[:3]
+    branched_cached: list[int] = []
+    assert _generate(model, [branched], 16, engine, branched_cached) == cold[3:]
+    assert first_cached == [0, 0, 0]
+    assert again_cached == [len(p) - 1 for p in prompts]
+    assert branched_cached == [len(prompts[0]) - 3]
+    assert engine.scheduler.kv.stats.snapshot()["partial_block_hit_tokens"] == sum(
+        (len(p) - 1) % 16 for p in prompts) + (len(prompts[0]) - 3) % 16
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16", "int8", "int4"])

@@ -83,6 +83,20 @@ def test_block_io_round_trips_one_block_slice_of_the_pool():
         io.write_block(1, data[:-4])
 
 
+def test_block_io_copies_the_leading_rows_of_a_block_in_every_layer_and_nothing_else():
+    kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    before = kv.clone()
+    io = KVBlockIO(kv)
+    io.copy_block_prefix(3, 5, 2)
+    assert torch.equal(kv[:, :, 5, :, :2], before[:, :, 3, :, :2])
+    assert torch.equal(kv[:, :, 5, :, 2:], before[:, :, 5, :, 2:])
+    kv[:, :, 5, :, :2] = before[:, :, 5, :, :2]
+    assert torch.equal(kv, before)
+    for bad in (0, BLOCK_SIZE + 1):
+        with pytest.raises(ValueError, match="num_tokens"):
+            io.copy_block_prefix(3, 5, bad)
+
+
 # ---------------------------------------------------------------- bounds and demotion
 
 

@@ -11,6 +11,11 @@ Block table of a request (``block_idx`` -> ``block_id``)::
     token t  ->  block_table[t // block_size], offset t % block_size
     [ device hits | reloaded from host/disk/Redis | computed by this request | room for the tokens scheduled now ]
 
+Partial-block reuse: after the whole-block hits, the cached block that follows the same chain and shares the most
+leading tokens with the request's next block lends those rows: they are copied into the request's own new block
+(``block_copier``), so a repeated prompt computes its last token only, not up to ``block_size`` of them (SGLang's
+radix cache reuses at token granularity the same way; vLLM v1 recomputes the partial block).
+
 KV lifetime (issue 4): :meth:`KVCacheManager.admit` is the scheduler's admission call. After the device hits it
 looks the chain up in the offload tiers and reloads the blocks the cost model says are cheaper to move than to
 recompute; a sequence preempted by swap gets its swapped blocks back. A released request stamps its cached blocks
@@ -68,6 +73,9 @@ class KVCacheManager:
             preemption always recomputes (the simulator, tests of the scheduler).
         stats: counters; the offload chain's when it has one.
         pressure_thresholds: ``((enter, leave) elevated, (enter, leave) critical)`` used-block fractions.
+        block_copier: ``copy(src_block_id, dst_block_id, num_tokens)`` copies the K/V of a block's first
+            ``num_tokens`` rows in every layer (:meth:`worker.model_runner.KVBlockIO.copy_block_prefix`); None = no
+            partial-block reuse (the simulator has no KV to copy).
 
     Raises:
         ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unknown policy name.
@@ -77,7 +85,7 @@ class KVCacheManager:
                  eviction_policy: EvictionPolicy | str = "lru", clock: Callable[[], float] = time.monotonic,
                  config: KVConfig = KVConfig(), offload: OffloadChain | None = None, stats: KVStats | None = None,
                  pressure_thresholds: tuple[tuple[float, float], tuple[float, float]] = DEFAULT_PRESSURE_THRESHOLDS,
-                 ) -> None:
+                 block_copier: Callable[[int, int, int], None] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -86,6 +94,7 @@ class KVCacheManager:
         self.config = config
         self.offload = offload
         self.stats = stats if stats is not None else (offload.stats if offload is not None else KVStats())
+        self.block_copier = block_copier
         self.prefix_cache = PrefixCache()
         self.pool = BlockPool(num_blocks, eviction_policy, clock=clock, on_evict=self._on_evict)
         self._policies: dict[str, EvictionPolicy] = {self.pool.policy.name: self.pool.policy}
@@ -168,8 +177,9 @@ class KVCacheManager:
 
         Order: device prefix hits; a sequence preempted by swap gets its swapped blocks back; otherwise the run of
         blocks found in the offload tiers after the device hits is reloaded as far as the cost model says it pays
-        (:meth:`worker.kv_cache.offload.cost.CostModel.num_blocks_to_reload`); then room for
-        ``min(remaining tokens, max_new_tokens)`` tokens to compute now.
+        (:meth:`worker.kv_cache.offload.cost.CostModel.num_blocks_to_reload`); without a reload, the leading rows
+        of a cached block that continues the hits are copied into the first new block (partial-block reuse); then
+        room for ``min(remaining tokens, max_new_tokens)`` tokens to compute now.
 
         Args:
             seq: a WAITING or PREEMPTED sequence (``num_computed_tokens == 0``, no blocks).
@@ -183,11 +193,23 @@ class KVCacheManager:
             return self._swap_in(seq, max_new_tokens)
         hit_blocks, num_hit = self.get_computed_blocks(seq)
         num_found, run_tiers = self._plan_reload(seq, len(hit_blocks))
+        source_id, num_to_copy = self._match_partial(seq, len(hit_blocks))
+        # (blocks to reload, source of a partial copy): the richest first, plain recompute last
+        attempts = [(len(run_tiers), None)] if run_tiers else []
+        attempts += [(0, source_id)] if source_id is not None else []
+        attempts += [(0, None)]
         new_block_ids = None
-        for num_reload in ((len(run_tiers), 0) if run_tiers else (0,)):
-            num_new = min(seq.num_tokens - num_hit - num_reload * self.block_size, max_new_tokens)
-            new_block_ids = self.allocate_slots(seq, num_reload * self.block_size + num_new, hit_blocks,
+        for num_reload, source_id in attempts:
+            num_copied = num_to_copy if source_id is not None else 0
+            if source_id is not None:
+                self.pool.touch((source_id,))  # this allocation must not evict the rows it is about to copy
+            num_new = min(seq.num_tokens - num_hit - num_reload * self.block_size - num_copied, max_new_tokens)
+            new_block_ids = self.allocate_slots(seq, num_reload * self.block_size + num_copied + num_new, hit_blocks,
                                                 record_query=False)
+            if source_id is not None:
+                if new_block_ids is not None:
+                    self.block_copier(source_id, new_block_ids[0], num_copied)
+                self.pool.free((source_id,))
             if new_block_ids is not None:
                 break
         if new_block_ids is None:
@@ -196,11 +218,12 @@ class KVCacheManager:
         if num_found:
             self.stats.add("reload_decisions_total" if num_reload else "recompute_decisions_total")
             self.stats.add("recompute_decision_tokens", (num_found - num_loaded) * self.block_size)
-        num_computed = num_hit + num_loaded * self.block_size
+        num_computed = num_hit + num_loaded * self.block_size + num_copied
         if seq.status is SequenceStatus.WAITING:
             self._record_prefix_query(seq.num_tokens, num_computed)
             self.stats.add("prefix_query_tokens", seq.num_tokens)
-            self.stats.add("prefix_hit_tokens", num_hit, tier="device")
+            self.stats.add("prefix_hit_tokens", num_hit + num_copied, tier="device")
+            self.stats.add("partial_block_hit_tokens", num_copied)
             for tier_name in run_tiers[:num_loaded]:
                 self.stats.add("prefix_hit_tokens", self.block_size, tier=tier_name)
         if not caches_new_request(self.retention, seq.tier_priority):
@@ -358,6 +381,24 @@ class KVCacheManager:
             return
         self._update_metas(seq, table, num_cached)
         self.pool.free(reversed(table))
+
+    def _match_partial(self, seq: Sequence, num_hit_blocks: int) -> tuple[int | None, int]:
+        """Find a cached block whose leading rows ``seq`` can copy into table position ``num_hit_blocks``.
+
+        At most ``seq.num_tokens - 1`` tokens count as computed (the last one must produce logits).
+
+        Returns:
+            ``(source block id, tokens to copy)``, or ``(None, 0)``.
+        """
+        if self.block_copier is None or not self.enable_prefix_caching:
+            return None, 0
+        start = num_hit_blocks * self.block_size
+        token_ids = seq.all_token_ids
+        num_reusable = min(self.block_size, len(token_ids) - 1 - start)
+        if num_reusable <= 0:
+            return None, 0
+        parent = self._hashes(seq, token_ids, num_hit_blocks)[num_hit_blocks - 1] if num_hit_blocks else None
+        return self.prefix_cache.match_partial(parent, token_ids[start:start + num_reusable])
 
     def _plan_reload(self, seq: Sequence, num_hit_blocks: int) -> tuple[int, list[str]]:
         """Find the run of blocks after the device hits held by the offload tiers and decide how much to reload.

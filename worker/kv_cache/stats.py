@@ -57,6 +57,8 @@ class KVStats:
 
     - ``prefix_query_tokens``: prompt tokens of first admissions (the denominator of every hit rate).
     - ``prefix_hit_tokens{tier=device|host|disk|redis}``: of those, tokens served from that storage tier.
+    - ``partial_block_hit_tokens``: of the device hits, tokens whose K/V rows were copied out of a cached block
+      that continues the matched chain (partial-block reuse).
     - ``evicted_blocks{policy=P,tier=T}``: device evictions by the policy in charge and the block's admission tier.
     - ``expired_blocks``: evicted device blocks past their retention, dropped instead of demoted.
     - ``offloaded_bytes{tier=S}``, ``offloaded_blocks{tier=S}``: blocks written into offload tier S.

@@ -5,8 +5,9 @@ it adds the routes and one ``cleanup_ctx`` (opened after the workers, so closed 
 (``[jobs] store``: SQLite file or Redis), starts the runner, and on shutdown puts running jobs back in the queue.
 
 Modules, in call order: ``models`` (records and their JSON views) → ``store`` (the interface) →
-``sqlite_store`` / ``redis_store`` → ``runner`` (claim, lease, execute, expire, finalize) → ``api`` (``/v1/jobs``,
-ownership, deferral of shed requests) → ``batches`` (``/v1/files``, ``/v1/batches``).
+``sqlite_store`` / ``redis_store`` → ``idle_capacity`` (the fleet-wide gate) → ``runner`` (claim, lease, execute,
+expire, finalize) → ``api`` (``/v1/jobs``, ownership, deferral of shed requests) → ``batches`` (``/v1/files``,
+``/v1/batches``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from aiohttp import web
 
 from gateway.jobs.api import JOBS, JobsService, setup_job_routes
 from gateway.jobs.batches import finalize_batch, setup_batch_routes
-from gateway.jobs.runner import JobRunner, PoolIdleCapacity
+from gateway.jobs.idle_capacity import FleetIdleCapacity
+from gateway.jobs.runner import JobRunner
 from gateway.jobs.stores import make_store
-from gateway.state import ADMISSION, CONFIG, METRICS, PIPELINE, POOL
+from gateway.state import CONFIG, FLEET, METRICS, PIPELINE
 from gateway.pipeline.classify import Principal
 from shared.config import effective_tiers
 
@@ -46,19 +48,12 @@ async def _jobs_ctx(app: web.Application) -> AsyncIterator[None]:
         return await app[PIPELINE].run_completion(kind, body, principal=principal, request_id=request_id,
                                                   on_admitted=on_admitted)
 
-    def queue_depths() -> dict[str, int]:
-        return app[ADMISSION].queue_depths()
-
     service: JobsService | None = None
 
     async def finalize(batch_id: str) -> None:
         await finalize_batch(service, batch_id)
 
-    def jobs_blocked() -> bool:
-        admission = app[ADMISSION]
-        return admission.draining or admission.pressure.sheds(principal.tier.name)
-
-    capacity = PoolIdleCapacity(queue_depths, lambda: app[POOL].clients, jobs_blocked)
+    capacity = FleetIdleCapacity(lambda: app[FLEET].runtimes.values(), principal.tier.name)
     runner = JobRunner(store, config.jobs, execute, capacity, finalize, on_finished=app[METRICS].job_finished)
     service = JobsService(store=store, runner=runner, config=config)
     app[JOBS] = service

@@ -28,11 +28,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import structlog
 
+from gateway.jobs.idle_capacity import IdleCapacity
 from gateway.jobs.models import (
     CANCELLED,
     EXPIRED,
@@ -55,25 +56,6 @@ STORE_ERROR_BACKOFF_S = 1.0
 
 # (kind, body JSON bytes, request id, on_admitted) → the response body (chat.completion / text_completion)
 Executor = Callable[[str, bytes, str, Callable[[], None]], Awaitable[dict[str, Any]]]
-
-
-class Room(NamedTuple):
-    """What the idle-capacity gate sees now.
-
-    Attributes:
-        num_slots: jobs that may start now (0 while anything waits).
-        waiting: some request waits in admission or on a worker (interactive demand), or the jobs' tier is shed.
-    """
-
-    num_slots: int
-    waiting: bool
-
-
-class IdleCapacity(Protocol):
-    """How many jobs may start now without taking capacity an interactive request is waiting for."""
-
-    def room_for_jobs(self) -> Room:
-        """Return the room for jobs now."""
 
 
 class BatchFinalizer(Protocol):
@@ -347,43 +329,3 @@ class JobRunner:
         if written:
             self.abort_local(job.id)
         return written
-
-
-
-class PoolIdleCapacity:
-    """The idle-capacity gate over this gateway's admission controller and worker pool.
-
-    Room = 0 while any request waits in any admission queue (an interactive one, or a job already handed to
-    admission) or any worker reports waiting sequences (possibly from other gateways). Otherwise the sum over
-    ready workers with free KV of ``max_num_seqs`` − sequences in use, where in use is the larger of this
-    gateway's reservations and the worker's last report of running + waiting.
-
-    Args:
-        queue_depths: returns the admission queue depth per tier, ``{tier: depth}``.
-        clients: returns the worker clients of the pool.
-        jobs_blocked: returns True while admission would shed the jobs' tier anyway (a pressure level that sheds
-            it, or draining).
-    """
-
-    def __init__(self, queue_depths: Callable[[], dict[str, int]], clients: Callable[[], list[Any]],
-                 jobs_blocked: Callable[[], bool]) -> None:
-        self._queue_depths = queue_depths
-        self._clients = clients
-        self._jobs_blocked = jobs_blocked
-
-    def room_for_jobs(self) -> Room:
-        """See :meth:`IdleCapacity.room_for_jobs`."""
-        if self._jobs_blocked() or any(depth > 0 for depth in self._queue_depths().values()):
-            return Room(0, True)
-        num_slots = 0
-        for client in self._clients():
-            if not client.ready or client.hello is None:
-                continue
-            capacity = client.capacity
-            if capacity is not None and capacity.num_waiting > 0:
-                return Room(0, True)
-            if not client.can_take(1):
-                continue
-            reported = capacity.num_running + capacity.num_waiting if capacity is not None else 0
-            num_slots += max(0, client.hello.max_num_seqs - max(client.num_reserved, reported))
-        return Room(num_slots, False)

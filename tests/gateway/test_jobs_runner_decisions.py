@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from gateway.jobs.idle_capacity import Room
 from gateway.jobs.models import CANCELLED, EXPIRED, FAILED, QUEUED, SUCCEEDED, Job, new_job_id
-from gateway.jobs.runner import JobRunner, Room
+from gateway.jobs.runner import JobRunner
 from gateway.jobs.sqlite_store import SqliteJobStore
 from shared.config import JobsConfig
 from shared.errors import ErrorCode, SluiceError

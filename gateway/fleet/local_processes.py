@@ -25,7 +25,8 @@ from gateway.fleet.autoscaler import WorkerSecondsMeter, WorkerState
 from gateway.fleet.pools import LocalWorker, PoolRuntime
 from gateway.fleet.spawn import STOP_GRACE_S, WorkerSpawner
 from gateway.metrics import Metrics
-from gateway.workers.client import FIRST_CONNECT_INTERVAL_S, WorkerClient
+from gateway.workers.client import WorkerClient
+from gateway.workers.connector import FIRST_CONNECT_INTERVAL_S
 from gateway.workers.pool import WorkerPool
 from shared.auth import new_secret
 from shared.config import Config, PoolConfig

@@ -221,7 +221,7 @@ class WorkerPool:
             return None
 
         def rank(client: WorkerClient) -> tuple[int, int, int]:
-            cached = client.cached_prefix_blocks(hashes.full(client.block_size_tokens))
+            cached = client.prefix_memory.cached_blocks(hashes.full(client.block_size_tokens))
             free = client.total_kv_blocks - client.committed_kv_blocks
             return cached, free, -client.num_reserved
 
@@ -232,11 +232,11 @@ class WorkerPool:
         shareable = hashes.shareable(best.block_size_tokens)
         best.num_reserved += 1
         booked_blocks = best.kv_booking.book(demand_blocks, shareable)
-        prefill_tokens = max(1, num_prompt_tokens - best.cached_prefix_blocks(block_hashes) * best.block_size_tokens)
+        prefill_tokens = max(1, num_prompt_tokens - best.prefix_memory.cached_blocks(block_hashes) * best.block_size_tokens)
         reservation = Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes,
                                   prefill_tokens=prefill_tokens, priority=priority, shareable_hashes=shareable,
                                   booked_blocks=booked_blocks)
-        best.hold_prefill(reservation)
+        best.prefill.hold(reservation)
         return reservation
 
     def release(self, reservation: Reservation) -> None:
@@ -335,7 +335,7 @@ class WorkerPool:
 
     def dispatched(self, reservation: Reservation) -> None:
         """Remember that the reservation's prompt was sent to its worker (prefix-aware routing)."""
-        reservation.worker.remember_prefix(reservation.block_hashes)
+        reservation.worker.prefix_memory.remember(reservation.block_hashes)
 
     def record_success(self, reservation: Reservation) -> None:
         """The worker served the request (first token or a clean answer): tell its breaker once."""
@@ -371,7 +371,7 @@ class WorkerPool:
                 breaker=c.breaker.snapshot(),
                 in_flight=c.num_in_flight,
                 reservations=c.num_reserved,
-                pending_prefill=c.num_pending_prefill,
+                pending_prefill=c.prefill.num_pending,
                 reserved_kv_blocks=c.reserved_blocks,
                 connections=c.num_connections,
                 hello=msgspec.structs.asdict(c.hello) if c.hello else None,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from gateway.fleet.spawn import PRELOAD_MODEL, PRELOAD_WORKER, START_METHODS, WorkerSpawner, preload_modules
-from gateway.workers.client import FIRST_CONNECT_INTERVAL_S, WorkerClient
+from gateway.workers.client import WorkerClient
+from gateway.workers.connector import FIRST_CONNECT_INTERVAL_S
 from shared.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]

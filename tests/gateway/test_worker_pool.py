@@ -12,10 +12,10 @@ import asyncio
 import msgspec
 
 from gateway.admission.controller import AdmissionController
-
 from gateway.fleet.pools import ElasticWorkerPool
-from gateway.workers.client import MIN_PREFILL_BUDGET_TOKENS, WorkerClient
+from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
+from gateway.workers.prefill_backlog import MIN_PREFILL_BUDGET_TOKENS
 from shared.config import Config
 from shared.protocol import Capacity, Finished, Generate, Hello, SamplingParams, TokenDelta
 
@@ -64,11 +64,11 @@ def test_a_worker_holds_at_most_its_prefill_budget_of_unstarted_prompts():
     assert third is not None and third.worker is first.worker
     assert stream.reservation is first
     # releasing a reservation whose prompt never started takes it out of the backlog as well, once
-    pending_before = second.worker.pending_prefill_tokens
+    pending_before = second.worker.prefill.pending_tokens
     pool.release(second)
-    assert second.worker.pending_prefill_tokens == pending_before - 800
+    assert second.worker.prefill.pending_tokens == pending_before - 800
     second.worker.prefill_started(second)  # a late first token after the release changes nothing
-    assert second.worker.pending_prefill_tokens == pending_before - 800
+    assert second.worker.prefill.pending_tokens == pending_before - 800
 
 
 def test_one_prompt_larger_than_the_budget_still_goes_to_an_idle_worker():
@@ -82,7 +82,7 @@ def test_one_prompt_larger_than_the_budget_still_goes_to_an_idle_worker():
                              max_tokens=4), big)
     a._on_message(Finished(request_id="big", finish_reason="length", prompt_tokens=4000, cached_tokens=0,
                            completion_tokens=4))
-    assert a.num_pending_prefill == 0 and a.pending_prefill_tokens == 0
+    assert a.prefill.num_pending == 0 and a.prefill.pending_tokens == 0
     assert pool.try_reserve(2, "vip", prompt(20, 1)) is not None
 
 
@@ -161,8 +161,8 @@ def test_lower_tiers_pending_prompts_do_not_hold_back_a_higher_tier():
     assert pool.try_reserve(60, "standard", prompt(900, 3)) is not None  # the worker prefills standard first
     assert pool.try_reserve(60, "standard", prompt(900, 4)) is None  # standard behind standard: over budget
     assert pool.try_reserve(60, "vip", prompt(900, 5)) is not None
-    assert a.pending_prefill_ahead(3) == (1, 900)
-    assert a.pending_prefill_ahead(1) == (3, 2700)
+    assert a.prefill.ahead(3) == (1, 900)
+    assert a.prefill.ahead(1) == (3, 2700)
     # with every tier alike (the FIFO baseline), all pending prompts count
     pool.tier_priorities = {}
     assert pool.try_reserve(60, "vip", prompt(10, 6)) is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import atexit
 import os
 import signal
@@ -97,6 +98,67 @@ def capture_decode_graphs(model, kv_cache, wc, max_model_len_tokens: int, pad_bl
     return graphs
 
 
+def _build_torch_runner(config: Config, backend: str):
+    """Load the model on ``backend`` (``cpu`` or ``cuda``), allocate the KV pool and return
+    ``(ModelRunner, ModelSpec, num_blocks, device name, attention backend name, OffloadChain)``.
+
+    Raises:
+        ConfigError: the model cannot be loaded as configured, or the KV pool holds fewer than 2 blocks.
+    """
+    import torch
+
+    from worker.kv_cache.offload.chain import build_offload_chain
+    from worker.model import load_model
+    from worker.model_runner import ModelRunner
+
+    wc = config.worker
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    if backend == "cpu":
+        torch.set_num_threads(wc.num_threads if wc.num_threads > 0 else physical_cores())
+    dtype_name = config.model.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    weights_mode = config.model.weights
+    if device.type == "cuda" and weights_mode not in ("int4", "int8"):
+        weights_mode = ""  # a GPU runs dense weights in dtype unless asked for int4 / int8
+    if weights_mode == "auto" and config.model.dtype != "auto":
+        weights_mode = ""  # an explicit dtype keeps a folder (or a GGUF file) dense in that dtype
+    load_start_s = time.perf_counter()
+    try:
+        if config.model.synthetic:
+            from worker.synthetic import build_synthetic_model, synthetic_spec
+
+            mode = weights_mode if weights_mode not in ("", "auto") else dtype_name
+            model = build_synthetic_model(synthetic_spec(config.model.synthetic), mode, device,
+                                          attention_backend=wc.attention_backend)
+        else:
+            model = load_model(resolve_model_path(config.model), getattr(torch, dtype_name), device,
+                               attention_backend=wc.attention_backend, weights_mode=weights_mode)
+    except ValueError as exc:
+        raise ConfigError(f"model (weights = {config.model.weights!r}, synthetic = "
+                          f"{config.model.synthetic!r}): {exc}") from exc
+    log.info("model_loaded", weights=model.weights_mode, dtype=str(model.dtype),
+             threads=torch.get_num_threads(), load_s=round(time.perf_counter() - load_start_s, 3))
+    dtype = model.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    spec = model.spec
+    bytes_per_block = model.kv_cache_bytes_per_block(wc.block_size_tokens, dtype)
+    num_blocks = int(wc.kv_cache_gib * GIB // bytes_per_block)
+    if num_blocks < 2:
+        raise ConfigError(f"worker.kv_cache_gib = {wc.kv_cache_gib} holds fewer than 2 KV blocks")
+    use_graphs = device.type == "cuda" and wc.cuda_graphs
+    # with CUDA graphs, one spare block (id num_blocks) takes the padding rows' K/V writes
+    kv_cache = model.allocate_kv_cache(num_blocks + int(use_graphs), wc.block_size_tokens)
+    decode_graphs = None
+    if use_graphs:
+        decode_graphs = capture_decode_graphs(model, kv_cache, wc, config.model.max_model_len_tokens, num_blocks)
+    runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device, decode_graphs)
+    offload = build_offload_chain(config.kv, runner.block_io, config.model.name, dtype_name)
+    atexit.register(offload.close)  # the disk tier's folder
+    attention_name = getattr(model.attention, "name", type(model.attention).__name__)
+    return runner, spec, num_blocks, str(device), attention_name, offload
+
+
 def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
     """Load the model (or the simulator), size the KV pool and return a ready :class:`WorkerServer`.
 
@@ -108,6 +170,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
     from worker.server import WorkerServer
 
     wc = config.worker
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     backend = wc.backend
     if backend == "auto":
         import torch
@@ -121,58 +184,13 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         log.warning("simulator_backend", worker_id=worker_id, model=config.model.name, device=device_name,
                     message=SIMULATOR_WARNING)
     else:
-        import torch
-
-        from worker.kv_cache.offload.chain import build_offload_chain
-        from worker.model import load_model
-        from worker.model_runner import ModelRunner
-
-        device = torch.device("cuda" if backend == "cuda" else "cpu")
-        if backend == "cpu":
-            torch.set_num_threads(wc.num_threads if wc.num_threads > 0 else physical_cores())
-        dtype_name = config.model.dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-        weights_mode = config.model.weights
-        if device.type == "cuda" and weights_mode not in ("int4", "int8"):
-            weights_mode = ""  # a GPU runs dense weights in dtype unless asked for int4 / int8
-        if weights_mode == "auto" and config.model.dtype != "auto":
-            weights_mode = ""  # an explicit dtype keeps a folder (or a GGUF file) dense in that dtype
-        load_start_s = time.perf_counter()
-        try:
-            if config.model.synthetic:
-                from worker.synthetic import build_synthetic_model, synthetic_spec
-
-                mode = weights_mode if weights_mode not in ("", "auto") else dtype_name
-                model = build_synthetic_model(synthetic_spec(config.model.synthetic), mode, device,
-                                              attention_backend=wc.attention_backend)
-            else:
-                model = load_model(resolve_model_path(config.model), getattr(torch, dtype_name), device,
-                                   attention_backend=wc.attention_backend, weights_mode=weights_mode)
-        except ValueError as exc:
-            raise ConfigError(f"model (weights = {config.model.weights!r}, synthetic = "
-                              f"{config.model.synthetic!r}): {exc}") from exc
-        log.info("model_loaded", weights=model.weights_mode, dtype=str(model.dtype),
-                 threads=torch.get_num_threads(), load_s=round(time.perf_counter() - load_start_s, 3))
-        dtype = model.dtype
-        dtype_name = str(dtype).removeprefix("torch.")
-        spec = model.spec
-        bytes_per_block = model.kv_cache_bytes_per_block(wc.block_size_tokens, dtype)
-        num_blocks = int(wc.kv_cache_gib * GIB // bytes_per_block)
-        if num_blocks < 2:
-            raise ConfigError(f"worker.kv_cache_gib = {wc.kv_cache_gib} holds fewer than 2 KV blocks")
-        use_graphs = device.type == "cuda" and wc.cuda_graphs
-        # with CUDA graphs, one spare block (id num_blocks) takes the padding rows' K/V writes
-        kv_cache = model.allocate_kv_cache(num_blocks + int(use_graphs), wc.block_size_tokens)
-        decode_graphs = None
-        if use_graphs:
-            decode_graphs = capture_decode_graphs(model, kv_cache, wc, config.model.max_model_len_tokens, num_blocks)
-        runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device, decode_graphs)
-        offload = build_offload_chain(config.kv, runner.block_io, config.model.name, dtype_name)
-        atexit.register(offload.close)  # the disk tier's folder
+        # Everything that runs torch operators runs on the engine thread: an OpenMP team started by a second thread
+        # (the main one, here) makes libgomp count more threads than cores and throttle its spin-wait, and every
+        # parallel region of the engine's steps then pays a futex wake-up (measured on 2 cores: 1 stream 31 ms a
+        # step loaded on the main thread, 15 ms loaded on the engine thread).
+        runner, spec, num_blocks, device_name, attention_name, offload = executor.submit(
+            _build_torch_runner, config, backend).result()
         block_copier = runner.block_io.copy_block_prefix
-        device_name = str(device)
-        attention_name = getattr(model.attention, "name", type(model.attention).__name__)
     max_model_len = min(config.model.max_model_len_tokens, spec.max_position_embeddings)
     levels = (config.pressure.elevated, config.pressure.critical)
     kv_manager = KVCacheManager(
@@ -223,6 +241,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         max_model_len,
         capacity_interval_s=wc.capacity_interval_s,
         secret=secret,
+        executor=executor,
     )
 
 

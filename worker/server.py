@@ -81,6 +81,8 @@ class WorkerServer:
         capacity_interval_s: period of capacity reports.
         secret: the shared secret every connection must prove before anything else (``shared.auth``); None = no
             authentication (``Hello`` at once).
+        executor: the one-thread executor that runs the engine's steps: the thread that loaded the model (its
+            OpenMP team is the only one); None = a new one.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class WorkerServer:
         max_model_len_tokens: int,
         capacity_interval_s: float = 0.25,
         secret: bytes | None = None,
+        executor: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
         self.engine = engine
         self.hello = hello
@@ -105,7 +108,7 @@ class WorkerServer:
         self._pending_aborts: list[str] = []
         self._wake = asyncio.Event()
         self._conn_ids = itertools.count(1)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine_task: asyncio.Task | None = None
         self._capacity_task: asyncio.Task | None = None
         self._server: asyncio.AbstractServer | None = None

@@ -30,6 +30,10 @@ Per phase:
   when the workers' prefill backlog is full.
 - ``client_ttft_ms`` p50 / p99, ``achieved_rps``, errors.
 
+Then the same closed loop against :mod:`bench.bare_sse_server` (aiohttp + uvloop streaming the same answer shape,
+nothing else): ``bare_aiohttp_cpu_ms_per_request`` is this machine's floor, and ``gateway_over_bare_cpu_ratio`` the
+gateway's cost over it, a figure that travels between machines better than milliseconds do.
+
 Result: JSON to ``bench/results/gateway.json``. Loopback only.
 
 Run: ``.venv/bin/python -m bench.gateway_bench`` (about 1 minute; ``--quick`` for a 20-second smoke run).
@@ -49,7 +53,7 @@ import time
 from pathlib import Path
 
 from bench.common import mt_bench_prompts, percentile, write_result
-from tests.support.server import SluiceProcess
+from tests.support.server import SluiceProcess, free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 OUTPUT_TOKENS = 8
@@ -275,6 +279,35 @@ def _start_py_spy(pid: int, svg_path: str) -> subprocess.Popen:
     return spy
 
 
+def bare_server_cpu_ms_per_request(prompts: list[str], args: argparse.Namespace) -> float:
+    """Run the closed-loop phase against :mod:`bench.bare_sse_server` (same client, concurrency and requests) and
+    return its CPU ms per request: the floor of this machine under the gateway's figure."""
+    import urllib.request
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "bench.bare_sse_server", str(port)])
+    try:
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+            except urllib.error.HTTPError:
+                break  # it answers (404 for GET /)
+            except OSError:
+                time.sleep(0.05)
+        base_url = f"http://127.0.0.1:{port}"
+        run_client(base_url, prompts, args.client_processes, concurrency=args.concurrency,
+                   num_requests=args.warmup_requests, rate_rps=None, limit_s=60.0)
+        time.sleep(0.5)
+        cpu_before_s = process_cpu_s(server.pid)
+        phase = run_client(base_url, prompts, args.client_processes, concurrency=args.concurrency,
+                           num_requests=args.closed_requests, rate_rps=None, limit_s=120.0)
+        cpu_s = process_cpu_s(server.pid) - cpu_before_s
+        return round(cpu_s * 1000 / max(1, len(phase["results"])), 3)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="local sim workers")
@@ -326,6 +359,7 @@ def main() -> None:
             print(json.dumps(phases[-1]), flush=True)
     closed = phases[0]
     cpu_ms = closed["gateway_cpu_ms_per_request"]
+    bare_cpu_ms = bare_server_cpu_ms_per_request(prompts, args)
     result = {
         "bench": "gateway",
         "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale,
@@ -336,6 +370,8 @@ def main() -> None:
         "gateway_cpu_ms_per_request": cpu_ms,
         "saturation_rps": closed["achieved_rps"],
         "cpu_bound_rps": round(1000.0 / cpu_ms, 1) if cpu_ms > 0 else None,
+        "bare_aiohttp_cpu_ms_per_request": bare_cpu_ms,
+        "gateway_over_bare_cpu_ratio": round(cpu_ms / bare_cpu_ms, 2) if bare_cpu_ms > 0 else None,
         "idle_gateway_cpu_ms_per_s": round(idle_cpu_ms_per_s, 2),
         "phases": phases,
     }

@@ -89,7 +89,7 @@ from gateway.admission.pressure import PressureMonitor
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.admission.rates import ServiceRates
 from gateway.admission.shedding import Shedder
-from gateway.admission.stats import AdmissionStats, TierStats
+from gateway.admission.stats import AdmissionStats, tier_stats
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
 from shared.config import Config, effective_tiers, validate_admission_config
@@ -140,10 +140,10 @@ class AdmissionController(Generic[ReservationT]):
         self._lowest_tier = tiers[-1].name  # for the pressure level: the wait behind every queued request
         self._ticket_ids = itertools.count(1)
         self._in_flight: dict[int, Ticket[ReservationT]] = {}  # admitted, not yet released, by ticket id
-        self._rates = ServiceRates(config.admission, view, clock)
-        self._waits = WaitEstimator(config, self._queues, self._in_flight, self._rates, self._order, view,
+        self.rates = ServiceRates(config.admission, view, clock)  # drain, arrival and service rates (``/status``)
+        self._waits = WaitEstimator(config, self._queues, self._in_flight, self.rates, self._order, view,
                                     self.pressure, clock)
-        self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self._rates, self._waits,
+        self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self.rates, self._waits,
                                       self._order, view, clock, lambda now_s: self._shedder.shed_expired(now_s))
         self._arrival = ArrivalChecks(config, self._queues, self._waits, self.pressure, view,
                                       lambda tier: self.queued_elsewhere(tier))
@@ -197,7 +197,7 @@ class AdmissionController(Generic[ReservationT]):
             arrival_s=self._clock(),
             avoid=avoid,
         )
-        ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self._rates.output_fraction
+        ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self.rates.output_fraction
         return ticket
 
     def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int],
@@ -285,7 +285,7 @@ class AdmissionController(Generic[ReservationT]):
         queue.num_in_flight -= 1
         queue.in_flight_blocks -= ticket.booked_blocks
         if completion_tokens is not None and ticket.max_tokens > 0:
-            self._rates.record_output(completion_tokens, ticket.max_tokens)
+            self.rates.record_output(completion_tokens, ticket.max_tokens)
         reservation, ticket.reservation = ticket.reservation, None
         self._view.release(reservation)
         self._dispatcher.dispatch()
@@ -338,10 +338,6 @@ class AdmissionController(Generic[ReservationT]):
         """Return the requests queued in every tier."""
         return sum(len(queue.tickets) for queue in self._queues.values())
 
-    def drain_rate_tokens_per_s(self) -> float:
-        """Return the drain rate of the queues in expected work tokens/s (see the module docstring)."""
-        return self._rates.drain_rate_tokens_per_s()
-
     def predicted_wait_s(self, tier: str) -> float | None:
         """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown
         (see :meth:`WaitEstimator.predicted_wait_s`)."""
@@ -351,29 +347,15 @@ class AdmissionController(Generic[ReservationT]):
         """Return per tier queue depth, oldest wait, in-flight, admitted / rejected by reason, predicted wait and
         dispatch rate; plus the drain rate and the pressure level. For ``/status`` and metrics."""
         now_s = self._clock()
-        tiers: dict[str, TierStats] = {}
-        for name, queue in self._queues.items():
-            head = queue.head()
-            predicted_s = self.predicted_wait_s(name)
-            tiers[name] = TierStats(
-                priority=queue.config.priority,
-                queue_depth=len(queue.tickets),
-                queue_capacity=queue.config.queue_capacity,
-                oldest_wait_s=round(now_s - head.enqueued_s, 3) if head and head.enqueued_s is not None else 0.0,
-                in_flight=queue.num_in_flight,
-                in_flight_kv_blocks=queue.in_flight_blocks,
-                admitted=queue.num_admitted,
-                rejected=dict(queue.num_rejected),
-                cancelled=queue.num_cancelled,
-                predicted_wait_s=None if predicted_s is None else round(predicted_s, 3),
-                dispatch_rate_per_s=round(self._rates.tier_dispatch_rate_per_s(queue, now_s), 3),
-            )
+        tiers = {name: tier_stats(queue, now_s, self.predicted_wait_s(name),
+                                  self.rates.tier_dispatch_rate_per_s(queue, now_s))
+                 for name, queue in self._queues.items()}
         return AdmissionStats(
             enabled=self._enabled,
             order_policy=self._order.name,
             draining=self._draining,
-            drain_rate_tokens_per_s=round(self.drain_rate_tokens_per_s(), 1),
-            expected_output_fraction=round(self._rates.output_fraction, 3),
+            drain_rate_tokens_per_s=round(self.rates.drain_rate_tokens_per_s(), 1),
+            expected_output_fraction=round(self.rates.output_fraction, 3),
             pressure=self.pressure.stats(),
             tiers=tiers,
         )
@@ -402,23 +384,9 @@ class AdmissionController(Generic[ReservationT]):
                 ticket._future.exception()  # mark retrieved: nobody awaits it any more
 
     def _record_arrival(self, ticket: Ticket[ReservationT]) -> None:
-        self._rates.record_arrival(ticket.expected_work_tokens)
+        self.rates.record_arrival(ticket.expected_work_tokens)
         if self.on_arrival is not None:
             self.on_arrival()
-
-    def arrival_rate_tokens_per_s(self, window_s: float) -> float:
-        """Return the offered load over the last ``window_s`` seconds, expected work tokens/s (see
-        :meth:`ServiceRates.arrival_rate_tokens_per_s`)."""
-        return self._rates.arrival_rate_tokens_per_s(window_s)
-
-    def service_rate_per_worker_tokens_per_s(self) -> float | None:
-        """Return the expected work tokens/s one serving worker drains; None when unknown."""
-        return self._rates.service_rate_per_worker_tokens_per_s()
-
-    def backlog_rate_tokens_per_s(self) -> float | None:
-        """Return the measured service rate per serving worker under backlog, expected work tokens/s; None when
-        none ever was measured."""
-        return self._rates.backlog_rate_tokens_per_s()
 
     def _observe_pressure(self) -> None:
         """Feed the pressure monitor (``Shedder.observe_pressure``); a no-op with admission off."""

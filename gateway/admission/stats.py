@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway.admission.pressure import PressureLevel, PressureStats
+from gateway.admission.tickets import TierQueue
 
 
 class TierStats(msgspec.Struct):
@@ -57,6 +58,32 @@ class AdmissionStats(msgspec.Struct, omit_defaults=True):
     pressure: PressureStats
     tiers: dict[str, TierStats]
     pools: dict[str, AdmissionStats] | None = None
+
+
+def tier_stats(queue: TierQueue, now_s: float, predicted_wait_s: float | None,
+               dispatch_rate_per_s: float) -> TierStats:
+    """Return the stats of one tier's queue at monotonic time ``now_s`` (rounded for ``/status``).
+
+    Args:
+        queue: the tier's queue and counters.
+        now_s: monotonic seconds (the controller's clock).
+        predicted_wait_s: the predicted wait of a request arriving now, seconds; None when unknown.
+        dispatch_rate_per_s: requests of the tier dispatched per second over the rate window.
+    """
+    head = queue.head()
+    return TierStats(
+        priority=queue.config.priority,
+        queue_depth=len(queue.tickets),
+        queue_capacity=queue.config.queue_capacity,
+        oldest_wait_s=round(now_s - head.enqueued_s, 3) if head and head.enqueued_s is not None else 0.0,
+        in_flight=queue.num_in_flight,
+        in_flight_kv_blocks=queue.in_flight_blocks,
+        admitted=queue.num_admitted,
+        rejected=dict(queue.num_rejected),
+        cancelled=queue.num_cancelled,
+        predicted_wait_s=None if predicted_wait_s is None else round(predicted_wait_s, 3),
+        dispatch_rate_per_s=round(dispatch_rate_per_s, 3),
+    )
 
 
 def merge_admission_stats(stats_by_pool: dict[str, AdmissionStats], default_pool: str) -> AdmissionStats:

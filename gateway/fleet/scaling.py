@@ -200,7 +200,7 @@ class ScalingLoop:
         autoscale = self.config.autoscale
         if autoscale.demand_window_s <= 0:
             return None
-        rate = runtime.admission.service_rate_per_worker_tokens_per_s()
+        rate = runtime.admission.rates.service_rate_per_worker_tokens_per_s()
         if rate is not None and rate > 0:
             runtime.service_rate_per_worker_tokens_per_s = rate
         rate = runtime.service_rate_per_worker_tokens_per_s
@@ -209,7 +209,7 @@ class ScalingLoop:
         wait_s = runtime.config.target_queue_wait_s
         needed = 0.0
         for window_s in (autoscale.demand_window_s, autoscale.demand_window_s * PANIC_WINDOW_FRACTION):
-            work_tokens = runtime.admission.arrival_rate_tokens_per_s(window_s) * window_s
+            work_tokens = runtime.admission.rates.arrival_rate_tokens_per_s(window_s) * window_s
             needed = max(needed, work_tokens / (rate * autoscale.target_utilisation * (window_s + wait_s)))
         return needed
 

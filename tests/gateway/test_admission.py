@@ -539,7 +539,7 @@ async def test_early_rejection_uses_the_dispatch_rate_when_workers_report_none()
     clock.advance(10.0)
     first = controller.make_ticket("vip", prompt(36), 64)
     await controller.admit(first)  # 100 tokens dispatched in the last 10 s: 10 tokens/s
-    assert controller.drain_rate_tokens_per_s() == pytest.approx(10.0)
+    assert controller.rates.drain_rate_tokens_per_s() == pytest.approx(10.0)
     waiting = queued_task(controller, controller.make_ticket("vip", prompt(36), 64))
     await settle()
     with pytest.raises(SluiceError) as info:  # 100 tokens ahead ÷ 10 tokens/s = 10 s > 5 s
@@ -835,22 +835,22 @@ async def test_drain_rate_is_measured_while_the_queue_is_backlogged():
     queued = [controller.make_ticket("vip", prompt(36), 64) for _ in range(5)]
     tasks = [queued_task(controller, t) for t in queued]
     await settle()
-    assert controller.backlog_rate_tokens_per_s() is None
-    assert controller.drain_rate_tokens_per_s() == pytest.approx(1000.0)  # the reports stand in meanwhile
+    assert controller.rates.backlog_rate_tokens_per_s() is None
+    assert controller.rates.drain_rate_tokens_per_s() == pytest.approx(1000.0)  # the reports stand in meanwhile
     for ticket in [running, *queued[:2]]:
         clock.advance(1.0)
         controller.release(ticket)  # capacity frees once a second, and the head of the backlog goes
         await settle()
     # 3 dispatches of 100 tokens over 3 backlogged worker-seconds
-    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
-    assert controller.drain_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.rates.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.rates.drain_rate_tokens_per_s() == pytest.approx(100.0)
     assert controller.predicted_wait_s("vip") == pytest.approx(2.0)  # 2 × 100 tokens still queued
     # time with an empty queue is not service time: the measure stays put while idle
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     clock.advance(5.0)
-    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.rates.backlog_rate_tokens_per_s() == pytest.approx(100.0)
 
 
 class ScalingPool(FakePool):
@@ -876,7 +876,7 @@ async def backlog_measured_at_100_tokens_per_s(pool: FakePool, clock: FakeClock,
         clock.advance(1.0)
         controller.release(ticket)
         await settle()
-    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.rates.backlog_rate_tokens_per_s() == pytest.approx(100.0)
     return tasks[3:]
 
 
@@ -889,8 +889,8 @@ async def test_the_service_rate_measured_under_backlog_outlives_an_idle_window()
         task.cancel()
     await asyncio.gather(*still_queued, return_exceptions=True)
     clock.advance(120.0)  # the window holds no backlog any more (a gap between bursts, a scale to zero)
-    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
-    assert controller.drain_rate_tokens_per_s() == pytest.approx(100.0)  # not the reports' 1000
+    assert controller.rates.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.rates.drain_rate_tokens_per_s() == pytest.approx(100.0)  # not the reports' 1000
 
 
 async def test_the_room_a_joining_worker_brings_is_not_counted_as_service():
@@ -903,14 +903,14 @@ async def test_the_room_a_joining_worker_brings_is_not_counted_as_service():
     await settle()
     assert sum(pool.running) == 2  # it did take one
     # counted, that dispatch would read as 400 tokens over 3 worker-seconds: 133 tokens/s per worker
-    assert controller.backlog_rate_tokens_per_s() == pytest.approx(100.0)
-    assert controller.drain_rate_tokens_per_s() == pytest.approx(200.0)  # 100 per serving worker × 2
+    assert controller.rates.backlog_rate_tokens_per_s() == pytest.approx(100.0)
+    assert controller.rates.drain_rate_tokens_per_s() == pytest.approx(200.0)  # 100 per serving worker × 2
     clock.advance(1.0)
     controller.release(admitted_one := next(t for t in controller._in_flight.values()))
     await settle()
     # the next dispatch is service again: 400 tokens over 3 + 2 backlogged worker-seconds
     assert admitted_one.state is TicketState.RELEASED
-    assert controller.backlog_rate_tokens_per_s() == pytest.approx(400.0 / 5.0)
+    assert controller.rates.backlog_rate_tokens_per_s() == pytest.approx(400.0 / 5.0)
     for task in still_queued:
         task.cancel()
     await asyncio.gather(*still_queued, return_exceptions=True)
@@ -925,9 +925,9 @@ async def test_arrival_rate_counts_every_arrival_admitted_or_not():
     await settle()
     with pytest.raises(SluiceError):  # 6 s of work ahead > the 5 s deadline: rejected, but it was offered load
         await controller.admit(controller.make_ticket("vip", prompt(36), 64))
-    assert controller.arrival_rate_tokens_per_s(5.0) == pytest.approx(8 * 100 / 5.0)
+    assert controller.rates.arrival_rate_tokens_per_s(5.0) == pytest.approx(8 * 100 / 5.0)
     clock.advance(6.0)
-    assert controller.arrival_rate_tokens_per_s(5.0) == 0.0
+    assert controller.rates.arrival_rate_tokens_per_s(5.0) == 0.0
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
@@ -946,9 +946,9 @@ def test_arrival_rate_of_any_window_sums_the_arrivals_inside_it():
     for window_s in (0.5, 1.0, 2.5, 4.9, 5.0, 7.5, 10.0, 30.0):
         effective_s = min(window_s, 10.0)
         expected = sum(work for at_s, work in arrivals if at_s >= clock() - effective_s) / effective_s
-        assert controller.arrival_rate_tokens_per_s(window_s) == pytest.approx(expected)
+        assert controller.rates.arrival_rate_tokens_per_s(window_s) == pytest.approx(expected)
     clock.advance(10.5)
-    assert controller.arrival_rate_tokens_per_s(10.0) == 0.0
+    assert controller.rates.arrival_rate_tokens_per_s(10.0) == 0.0
 
 
 class SlotPool(FakePool):

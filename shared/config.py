@@ -140,7 +140,8 @@ class WorkerConfig(_Section):
         max_num_batched_tokens: token budget of one engine step (decode tokens + prefill chunk tokens).
         capacity_interval_s: period of capacity reports.
         num_threads: torch intra-op threads on the CPU, 0 for one per physical core.
-        enable_prefix_caching: keep and reuse full blocks across requests.
+        enable_prefix_caching: keep and reuse full blocks across requests (and the leading rows of a cached block
+            that continues a matched chain).
         secret: the shared secret every gateway ↔ worker connection proves (HMAC challenge–response both ways,
             ``shared.auth``), at least 16 characters; gateways and workers read the same key. "" = none: a worker
             then serves any peer, and one listening beyond loopback refuses to start unless ``allow_insecure``. Local

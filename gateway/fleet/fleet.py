@@ -12,7 +12,7 @@ admission per pool, and degrade routing to a lighter pool.
           observe each pool → Autoscaler.tick → spawn `sluice worker` | drain one, stop it once empty
       registry task:  RegistryWatcher.events() → join: connect, add to the pool serving its model
                                                  leave: remove from the pool, close (requests not yet streaming
-                                                 are retried on another worker by gateway.pipeline.generate)
+                                                 are retried on another worker by gateway.pipeline.choice)
 
 Each pool has its own :class:`~gateway.admission.controller.AdmissionController` over its own workers, so capacity,
 queues, predicted waits and pressure are per pool and model, in KV blocks from that pool's workers' reports: an idle

@@ -15,8 +15,8 @@ import msgspec
 from aiohttp import web
 
 from gateway.jobs.api import defer_shed_request
+from gateway.pipeline.choice import TextEvent
 from gateway.pipeline.classify import Principal
-from gateway.pipeline.generate import TextEvent
 from gateway.pipeline.request import Kind, OpenAIRequest, Plan
 from gateway.pipeline.responses import DONE_EVENT, ChunkFactory, sse_error_event
 from gateway.state import METRICS, PIPELINE, REQUEST_ID, REQUEST_LOG, RESOLVER

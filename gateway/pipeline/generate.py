@@ -1,116 +1,38 @@
-"""One request's generation: admission of its choices, their runs on workers, turned into text events.
-
-Per choice: admission ticket → reservation on a worker → ``Generate`` → worker token ids →
-:class:`IncrementalDetokenizer` → :class:`StopStringMatcher` → text pieces. A stop string match aborts the choice on
-its worker at once (finish_reason ``stop``). :meth:`Generation.close` aborts every choice still running and gives
-back every reservation; handlers call it in ``finally`` so a client that disconnects (at any point: queued,
-prefill or decode, stream or not) leaves its queue or makes the gateway send ``Abort``.
+"""One request's generation: admission of its choices, their runs on workers, their events merged into one stream.
 
 ::
 
     prompt p, sample j  ──▶ choice index p * n + j ──▶ Generate(request_id = "<rid>-<index>", seed + index)
 
+Each choice runs on a task of its own (:class:`~gateway.pipeline.choice.ChoiceRunner`: attempts, retries before the
+first token, deadlines, token ids → text) and puts its :class:`TextEvent` / :class:`FinishEvent` into the request's
+bounded event queue, which :meth:`Generation.next_event` reads. :meth:`Generation.close` aborts every choice still
+running and gives back every reservation; handlers call it in ``finally`` so a client that disconnects (at any point:
+queued, prefill or decode, stream or not) leaves its queue or makes the gateway send ``Abort``.
+
 **n > 1 and several prompts**: one admission ticket per choice (each is one sequence on a worker, with its own KV
 demand), all queued at the same moment, so they sit side by side in their tier's queue and start together when
 capacity allows; the request waits until every choice is admitted, and if any is shed the request fails with that
 error and the others leave the queue. The API key's rate limit counts the request once (on the first ticket).
-
-**Worker health** (DESIGN.md, step 6): each choice has one first-token deadline, ``gateway.first_token_timeout_s``
-from the moment its first ``Generate`` is sent, shared by all its attempts, and an inter-token stall deadline
-(``gateway.stall_timeout_s``). A timeout or a worker failure counts against the worker's circuit breaker; the first
-token (or a clean end) counts as a success. A choice that fails before its first token — so before any byte of it
-reached the client — is retried once while its first-token deadline has time left, with a fresh ticket (no
-rate-limit charge) that avoids the failed worker when another can serve; the retry's wait for admission and for
-its first token both count against what is left. A first-token timeout leaves nothing, so the client waits at most
-``first_token_timeout_s`` for a first token whatever the number of attempts. After its first token, a failure ends
-the request: in-band for a stream that has started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
-
-import msgspec
-import structlog
+from dataclasses import dataclass
 
 from gateway.admission.controller import AdmissionController
 from gateway.admission.tickets import Ticket
-from gateway.pipeline.detokenize import IncrementalDetokenizer
-from gateway.pipeline.logprobs import LogprobLedger, TokenLogprob
 from gateway.metrics import Metrics
-from gateway.pipeline.stop import StopStringMatcher
+from gateway.pipeline.choice import ChoiceEvent, ChoiceRunner, ChoiceState, FinishEvent, TextEvent
 from gateway.pipeline.classify import Principal
+from gateway.pipeline.logprobs import TokenLogprob
 from gateway.pipeline.tokenize import Tokenizer
 from gateway.upstream.request_body import UpstreamPrompt
-from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
-from gateway.workers.stream import RequestStream, StreamUpdate
-from shared.errors import ErrorCode, SluiceError
-from shared.protocol import Generate, SamplingParams
-
-log = structlog.get_logger("sluice.gateway")
-
-SEED_MODULUS = 2**63
-MAX_ATTEMPTS_PER_CHOICE = 2  # the first try and one retry before the first byte
-# Failures that may be retried on another worker when no token of the choice exists yet.
-# server_overloaded: an upstream answered 429/503 (gateway.upstream); the retry waits in the tier queue.
-RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING,
-                             ErrorCode.SERVER_OVERLOADED})
-# Failures that say the worker is unhealthy (its breaker counts them); others (bad input) are the request's fault.
-HEALTH_FAILURE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.INTERNAL})
-
-
-@dataclass
-class TextEvent:
-    """New text of one choice (never empty), with the log-probabilities of the tokens whose text starts in it
-    (when the request asked for them; else empty)."""
-
-    index: int
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class FinishEvent:
-    """The end of one choice."""
-
-    index: int
-    finish_reason: str  # "stop" | "length"
-
-
-@dataclass
-class ChoiceState:
-    """Bookkeeping of one choice."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_tokens: int
-    ticket: Ticket[Reservation] | None = None
-    attempt: int = 0
-    stream: RequestStream | None = None
-    dispatched_at_s: float = 0.0
-    first_token_deadline_s: float | None = None  # time.perf_counter() of the first Generate + first_token_timeout_s
-    detokenizer: IncrementalDetokenizer | None = None
-    matcher: StopStringMatcher | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    text_parts: list[str] = field(default_factory=list)
-    last_token_at_s: float = 0.0
-    logprobs: LogprobLedger = field(default_factory=LogprobLedger)
-
-    @property
-    def reservation(self) -> Reservation | None:
-        return self.ticket.reservation if self.ticket is not None else None
-
-    @property
-    def worker(self) -> WorkerClient | None:
-        reservation = self.reservation
-        return reservation.worker if reservation is not None else None
+from shared.errors import SluiceError
+from shared.protocol import SamplingParams
 
 
 @dataclass
@@ -142,7 +64,8 @@ class Generation:
         stop_strings: stop strings, applied by the gateway.
         principal: who sent it and its tier (rate limits, queue).
         admission, pool, tokenizer, metrics: the app's resources.
-        first_token_timeout_s, stall_timeout_s: limits on waiting for the worker, per attempt.
+        first_token_timeout_s: seconds from a choice's first ``Generate`` to its first token, all attempts together.
+        stall_timeout_s: seconds between two replies of a choice once it has a token.
         arrival_s: ``time.perf_counter()`` when the request arrived (for TTFT).
         cache_key: carried to the worker.
         ignore_eos: forwarded (benchmarks).
@@ -176,10 +99,15 @@ class Generation:
         self.choices: list[ChoiceState] = []
         self.ttft_s: float | None = None
         self.worker_ttft_ms: float | None = None
-        self.num_retries = 0
-        self._events: asyncio.Queue = asyncio.Queue(maxsize=256)
+        self._events: asyncio.Queue[ChoiceEvent] = asyncio.Queue(maxsize=256)
         self._tasks: list[asyncio.Task] = []
         self._num_finished = 0
+        self._runner = ChoiceRunner(
+            request_id=request_id, prompts=prompts, max_tokens=max_tokens, sampling=sampling,
+            stop_strings=stop_strings, tier=self.tier, admission=admission, pool=pool, tokenizer=tokenizer,
+            metrics=metrics, first_token_timeout_s=first_token_timeout_s, stall_timeout_s=stall_timeout_s,
+            cache_key=cache_key, ignore_eos=ignore_eos, upstream_prompts=upstream_prompts,
+            put_event=self._events.put, on_first_token=self._first_token)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -187,6 +115,11 @@ class Generation:
     def queue_wait_s(self) -> float:
         """Seconds from arrival at admission until the last choice was admitted (``x-sluice-queue-ms``)."""
         return max((c.ticket.queue_wait_s for c in self.choices if c.ticket is not None), default=0.0)
+
+    @property
+    def num_retries(self) -> int:
+        """Attempts sent again on another worker before their choice's first token, over all choices."""
+        return sum(c.attempt for c in self.choices)
 
     async def admit(self) -> None:
         """Queue every choice in its tier and wait until all are admitted (see the module docstring).
@@ -227,9 +160,7 @@ class Generation:
     def start(self) -> None:
         """Start one task per admitted choice: send ``Generate`` to its worker and pump the replies."""
         for choice in self.choices:
-            choice.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompts[choice.prompt_index])
-            choice.matcher = StopStringMatcher(self.stop_strings)
-            self._tasks.append(asyncio.create_task(self._pump(choice), name=f"pump-{choice.request_id}"))
+            self._tasks.append(self._runner.start(choice))
 
     def close(self) -> None:
         """Abort every choice still running, give back every reservation and cancel the pumps (synchronous)."""
@@ -261,186 +192,14 @@ class Generation:
             self._num_finished += 1
         return event
 
-    # ------------------------------------------------------------------ per choice
-
-    async def _pump(self, choice: ChoiceState) -> None:
-        try:
-            await self._run_choice(choice)
-        except SluiceError as exc:
-            await self._events.put(exc)
-
-    async def _run_choice(self, choice: ChoiceState) -> None:
-        """Run the choice to its end, retrying once on another worker when it fails before its first token."""
-        while True:
-            try:
-                self._send(choice)
-                await self._stream_choice(choice)
-            except SluiceError as exc:
-                failed_worker = choice.worker
-                # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
-                dropped = exc.code is ErrorCode.QUEUE_TIMEOUT and choice.completion_tokens == 0
-                self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES, answered=not dropped)
-                if dropped:
-                    raise self.admission.shed_at_worker(choice.ticket, exc.message) from None
-                retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
-                             and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE
-                             and self._first_token_time_left_s(choice) > 0)
-                if not retryable:
-                    raise
-                choice.attempt += 1
-                self.num_retries += 1
-                log.warning("retry_before_first_byte", request_id=self.request_id, choice=choice.index,
-                            failed_worker=failed_worker.name if failed_worker else None, error_code=exc.code.value)
-                await self._admit_retry(choice, failed_worker)
-                continue
-            self._end_attempt(choice, failed=False)
-            return
-
-    def _first_token_time_left_s(self, choice: ChoiceState) -> float:
-        """Seconds left of the choice's first-token deadline (the whole timeout before its first ``Generate``)."""
-        if choice.first_token_deadline_s is None:
-            return self.first_token_timeout_s
-        return max(0.0, choice.first_token_deadline_s - time.perf_counter())
-
-    async def _admit_retry(self, choice: ChoiceState, failed_worker: WorkerClient | None) -> None:
-        """Admit the choice's retry on a fresh ticket that avoids ``failed_worker`` when another worker can serve.
-
-        Raises:
-            SluiceError: shed, or ``worker_timeout`` when the first-token deadline passes before admission (the
-                ticket then leaves its queue).
-        """
-        prompt_ids = self.prompts[choice.prompt_index]
-        choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, self.max_tokens[choice.prompt_index],
-                                                   avoid=failed_worker)
-        try:
-            await asyncio.wait_for(self.admission.admit(choice.ticket), self._first_token_time_left_s(choice))
-        except TimeoutError:
-            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"no worker sent a first token within "
-                              f"{self.first_token_timeout_s:g} s") from None
-        self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
-
-    def _send(self, choice: ChoiceState) -> None:
-        reservation = choice.reservation
-        if reservation is None:  # a bug: choices run only once admitted
-            raise RuntimeError(f"choice {choice.request_id} started without a reservation")
-        seed = self.sampling.seed
-        sampling = self.sampling if seed is None else msgspec.structs.replace(
-            self.sampling, seed=(seed + choice.index) % SEED_MODULUS)
-        suffix = "" if choice.attempt == 0 else f"-r{choice.attempt}"
-        message = Generate(
-            request_id=choice.request_id + suffix,
-            prompt_token_ids=self.prompts[choice.prompt_index],
-            sampling=sampling,
-            max_tokens=self.max_tokens[choice.prompt_index],
-            stop_token_ids=self.tokenizer.eos_token_ids,
-            tier=self.tier,
-            cache_key=self.cache_key,
-            deadline_s=self.admission.worker_start_deadline_s(
-                choice.ticket, self.pool.prefill_queue_s or choice.ticket.tier.queue_timeout_s),
-            ignore_eos=self.ignore_eos,
-            priority=reservation.priority,
-        )
-        choice.stream = None
-        prompt = self.upstream_prompts[choice.prompt_index] if self.upstream_prompts else None
-        choice.stream = reservation.worker.start_request(message, reservation, prompt)
-        choice.dispatched_at_s = time.perf_counter()
-        if choice.first_token_deadline_s is None:
-            choice.first_token_deadline_s = choice.dispatched_at_s + self.first_token_timeout_s
-        self.pool.dispatched(reservation)
-
-    def _end_attempt(self, choice: ChoiceState, failed: bool, answered: bool = True) -> None:
-        """Abort the attempt's worker request if it still runs, tell the breaker, give the reservation back
-        (with the answer's length unless it failed or was never ``answered``: dropped unstarted)."""
-        stream = choice.stream
-        if stream is not None and not stream.done:
-            stream.worker.abort(stream.request_id)
-        reservation = choice.reservation
-        if reservation is not None:
-            if failed:
-                self.pool.record_failure(reservation)
-            else:
-                self.pool.record_success(reservation)
-        if choice.ticket is not None:
-            self.admission.release(choice.ticket, choice.completion_tokens if answered and not failed else None)
-
-    async def _next_update(self, choice: ChoiceState):
-        stream = choice.stream
-        if choice.completion_tokens == 0:
-            limit_s = self.first_token_timeout_s
-            timeout_s = self._first_token_time_left_s(choice)
-            what = "first token"
-        else:
-            limit_s = timeout_s = self.stall_timeout_s
-            what = "next token"
-        try:
-            return await stream.next_update(timeout_s)
-        except SluiceError as exc:
-            if exc.code is not ErrorCode.WORKER_TIMEOUT:
-                raise
-            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"worker {stream.worker.name} sent no {what} within "
-                              f"{limit_s:g} s") from None
-
-    async def _stream_choice(self, choice: ChoiceState) -> None:
-        stream = choice.stream
-        while True:
-            update = await self._next_update(choice)
-            if update.token_ids or update.text:
-                if choice.completion_tokens == 0:
-                    self.pool.record_success(choice.reservation)
-                self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
-                piece = self._detokenize(choice, update) if update.token_ids else update.text
-                text = choice.matcher.push(piece)
-                if text:
-                    await self._emit(choice, text)
-                if choice.matcher.matched is not None:
-                    stream.worker.abort(stream.request_id)
-                    await self._finish(choice, "stop")
-                    return
-            if update.finished is not None:
-                finished = update.finished
-                choice.cached_tokens = finished.cached_tokens
-                choice.completion_tokens = max(choice.completion_tokens, finished.completion_tokens)
-                text = choice.matcher.push(choice.detokenizer.flush())
-                if choice.matcher.matched is None:
-                    text += choice.matcher.flush()
-                if text:
-                    await self._emit(choice, text)
-                reason = "stop" if choice.matcher.matched is not None else finished.finish_reason
-                await self._finish(choice, "length" if reason == "length" else "stop")
-                return
-
-    def _detokenize(self, choice: ChoiceState, update: StreamUpdate) -> str:
-        """Return the text of the update's tokens; with logprobs, note where each token's text starts."""
-        if not self.sampling.logprobs or len(update.logprobs) != len(update.token_ids):
-            return choice.detokenizer.push(update.token_ids)
-        pieces = []
-        for token_id, logprob, top_ids, top_logprobs in zip(update.token_ids, update.logprobs,
-                                                             update.top_token_ids, update.top_logprobs):
-            pieces.append(choice.detokenizer.push([token_id]))
-            choice.logprobs.add(token_id, logprob, top_ids, top_logprobs, pieces[-1])
-        return "".join(pieces)
-
-    def _observe_tokens(self, choice: ChoiceState, num_tokens: int, worker_ttft_ms: float | None) -> None:
-        now_s = time.perf_counter()
-        if choice.completion_tokens == 0:
-            if self.ttft_s is None:
-                self.ttft_s = now_s - self.arrival_s
-                self.metrics.ttft.observe(self.ttft_s)
-                if worker_ttft_ms is not None:
-                    self.worker_ttft_ms = worker_ttft_ms
-                    self.metrics.gateway_overhead.observe(max(0.0, self.ttft_s - worker_ttft_ms / 1000.0))
-        else:
-            self.metrics.inter_token_latency.observe((now_s - choice.last_token_at_s) / num_tokens)
-        choice.last_token_at_s = now_s
-        choice.completion_tokens += num_tokens
-
-    async def _emit(self, choice: ChoiceState, text: str) -> None:
-        choice.text_parts.append(text)
-        await self._events.put(TextEvent(choice.index, text, choice.logprobs.emit(text)))
-
-    async def _finish(self, choice: ChoiceState, reason: str) -> None:
-        choice.finish_reason = reason
-        await self._events.put(FinishEvent(choice.index, reason))
+    def _first_token(self, now_s: float, worker_ttft_ms: float | None) -> None:
+        """Note the request's TTFT on the first token of its first choice to have one (``now_s``: perf_counter)."""
+        if self.ttft_s is None:
+            self.ttft_s = now_s - self.arrival_s
+            self.metrics.ttft.observe(self.ttft_s)
+            if worker_ttft_ms is not None:
+                self.worker_ttft_ms = worker_ttft_ms
+                self.metrics.gateway_overhead.observe(max(0.0, self.ttft_s - worker_ttft_ms / 1000.0))
 
     # ------------------------------------------------------------------ results
 

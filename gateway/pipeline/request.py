@@ -28,8 +28,9 @@ from gateway.fleet.fleet import Fleet
 from gateway.fleet.pools import Route
 from gateway.metrics import Metrics
 from gateway.pipeline import openai_api
+from gateway.pipeline.choice import FinishEvent
 from gateway.pipeline.classify import Principal
-from gateway.pipeline.generate import FinishEvent, Generation
+from gateway.pipeline.generate import Generation
 from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import PromptTooLong, Tokenizer

@@ -1,4 +1,4 @@
-"""A choice's first-token deadline (gateway/pipeline/generate.py) against a real ``sluice serve`` gateway.
+"""A choice's first-token deadline (gateway/pipeline/choice.py) against a real ``sluice serve`` gateway.
 
 The only worker is a test double that speaks the real protocol (Hello, Capacity, Pong) and never answers a
 ``Generate`` (tests/gateway/fake_worker.py): it pins the gateway's retry decision, which a real worker cannot be made

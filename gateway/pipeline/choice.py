@@ -1,0 +1,340 @@
+"""One choice's run on workers: its attempts, their deadlines, and its worker replies turned into text events.
+
+Per choice: reservation on a worker → ``Generate`` → worker token ids → :class:`IncrementalDetokenizer` →
+:class:`StopStringMatcher` → :class:`TextEvent` pieces, then one :class:`FinishEvent`. A stop string match aborts
+the choice on its worker at once (finish_reason ``stop``). Attempt ``a`` of choice ``index`` is sent as
+``Generate(request_id = "<rid>-<index>" for a = 0, "<rid>-<index>-r<a>" after, seed + index)``.
+
+The request's :class:`~gateway.pipeline.generate.Generation` owns the choices (their first admission, their tasks,
+the event queue, usage); a :class:`ChoiceRunner` runs each admitted choice on a task of its own and talks back
+through two callbacks: ``put_event`` (into the request's bounded event queue) and ``on_first_token`` (the request's
+TTFT).
+
+**Worker health** (DESIGN.md, step 6): each choice has one first-token deadline, ``gateway.first_token_timeout_s``
+from the moment its first ``Generate`` is sent, shared by all its attempts, and an inter-token stall deadline
+(``gateway.stall_timeout_s``). A timeout or a worker failure counts against the worker's circuit breaker; the first
+token (or a clean end) counts as a success. A choice that fails before its first token — so before any byte of it
+reached the client — is retried once while its first-token deadline has time left, with a fresh ticket (no
+rate-limit charge) that avoids the failed worker when another can serve; the retry's wait for admission and for
+its first token both count against what is left. A first-token timeout leaves nothing, so the client waits at most
+``first_token_timeout_s`` for a first token whatever the number of attempts. After its first token, a failure ends
+the request: in-band for a stream that has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+
+from gateway.admission.controller import AdmissionController
+from gateway.admission.tickets import Ticket
+from gateway.metrics import Metrics
+from gateway.pipeline.detokenize import IncrementalDetokenizer
+from gateway.pipeline.logprobs import LogprobLedger, TokenLogprob
+from gateway.pipeline.stop import StopStringMatcher
+from gateway.pipeline.tokenize import Tokenizer
+from gateway.upstream.request_body import UpstreamPrompt
+from gateway.workers.client import WorkerClient
+from gateway.workers.pool import WorkerPool
+from gateway.workers.reservation import Reservation
+from gateway.workers.stream import RequestStream, StreamUpdate
+from shared.errors import ErrorCode, SluiceError
+from shared.protocol import Generate, SamplingParams
+
+log = structlog.get_logger("sluice.gateway")
+
+SEED_MODULUS = 2**63
+MAX_ATTEMPTS_PER_CHOICE = 2  # the first try and one retry before the first byte
+# Failures that may be retried on another worker when no token of the choice exists yet.
+# server_overloaded: an upstream answered 429/503 (gateway.upstream); the retry waits in the tier queue.
+RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING,
+                             ErrorCode.SERVER_OVERLOADED})
+# Failures that say the worker is unhealthy (its breaker counts them); others (bad input) are the request's fault.
+HEALTH_FAILURE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.INTERNAL})
+
+
+@dataclass
+class TextEvent:
+    """New text of one choice (never empty), with the log-probabilities of the tokens whose text starts in it
+    (when the request asked for them; else empty)."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class FinishEvent:
+    """The end of one choice."""
+
+    index: int
+    finish_reason: str  # "stop" | "length"
+
+
+# What a choice's task puts into its request's event queue: text, its end, or the failure that ends it.
+ChoiceEvent = TextEvent | FinishEvent | SluiceError
+
+
+@dataclass
+class ChoiceState:
+    """Bookkeeping of one choice."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_tokens: int
+    ticket: Ticket[Reservation] | None = None
+    attempt: int = 0
+    stream: RequestStream | None = None
+    dispatched_at_s: float = 0.0
+    first_token_deadline_s: float | None = None  # time.perf_counter() of the first Generate + first_token_timeout_s
+    detokenizer: IncrementalDetokenizer | None = None
+    matcher: StopStringMatcher | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    text_parts: list[str] = field(default_factory=list)
+    last_token_at_s: float = 0.0
+    logprobs: LogprobLedger = field(default_factory=LogprobLedger)
+
+    @property
+    def reservation(self) -> Reservation | None:
+        return self.ticket.reservation if self.ticket is not None else None
+
+    @property
+    def worker(self) -> WorkerClient | None:
+        reservation = self.reservation
+        return reservation.worker if reservation is not None else None
+
+
+class ChoiceRunner:
+    """Run the admitted choices of one request on their workers; put their text, ends and failures as events.
+
+    Args:
+        request_id: the request's id (logs; each choice carries its own id).
+        prompts: prompt token ids, one list per prompt.
+        max_tokens: effective output cap per prompt, in tokens.
+        sampling: the request's sampling parameters (``seed`` is offset by the choice index).
+        stop_strings: stop strings, applied here rather than by the worker.
+        tier: the request's tier name (its queue on a retry, its priority on the worker).
+        admission, pool, tokenizer, metrics: the app's resources.
+        first_token_timeout_s: seconds from a choice's first ``Generate`` to its first token, all attempts together.
+        stall_timeout_s: seconds between two replies of a choice once it has a token.
+        cache_key: carried to the worker.
+        ignore_eos: forwarded (benchmarks).
+        upstream_prompts: the client's messages or prompt, one per prompt, for an upstream worker; None = token ids.
+        put_event: puts one event into the request's event queue (waits while the queue is full).
+        on_first_token: called on each choice's first token with ``time.perf_counter()`` then and the worker's TTFT
+            in ms (None when the worker does not report it).
+    """
+
+    def __init__(self, *, request_id: str, prompts: list[list[int]], max_tokens: list[int], sampling: SamplingParams,
+                 stop_strings: list[str], tier: str, admission: AdmissionController, pool: WorkerPool,
+                 tokenizer: Tokenizer, metrics: Metrics, first_token_timeout_s: float, stall_timeout_s: float,
+                 cache_key: str, ignore_eos: bool, upstream_prompts: list[UpstreamPrompt] | None,
+                 put_event: Callable[[ChoiceEvent], Awaitable[None]],
+                 on_first_token: Callable[[float, float | None], None]) -> None:
+        self.request_id = request_id
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop_strings = stop_strings
+        self.tier = tier
+        self.admission = admission
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.first_token_timeout_s = first_token_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.cache_key = cache_key
+        self.ignore_eos = ignore_eos
+        self.upstream_prompts = upstream_prompts
+        self._put_event = put_event
+        self._on_first_token = on_first_token
+
+    def start(self, choice: ChoiceState) -> asyncio.Task[None]:
+        """Give the admitted choice its detokenizer and stop matcher; return the task that runs it to its end.
+
+        The caller owns the task (cancels it on close); a failure reaches the event queue as a :class:`SluiceError`.
+        """
+        choice.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompts[choice.prompt_index])
+        choice.matcher = StopStringMatcher(self.stop_strings)
+        return asyncio.create_task(self._pump(choice), name=f"pump-{choice.request_id}")
+
+    async def _pump(self, choice: ChoiceState) -> None:
+        try:
+            await self._run(choice)
+        except SluiceError as exc:
+            await self._put_event(exc)
+
+    async def _run(self, choice: ChoiceState) -> None:
+        """Run the choice to its end, retrying once on another worker when it fails before its first token."""
+        while True:
+            try:
+                self._send(choice)
+                await self._stream(choice)
+            except SluiceError as exc:
+                failed_worker = choice.worker
+                # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
+                dropped = exc.code is ErrorCode.QUEUE_TIMEOUT and choice.completion_tokens == 0
+                self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES, answered=not dropped)
+                if dropped:
+                    raise self.admission.shed_at_worker(choice.ticket, exc.message) from None
+                retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
+                             and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE
+                             and self._first_token_time_left_s(choice) > 0)
+                if not retryable:
+                    raise
+                choice.attempt += 1
+                log.warning("retry_before_first_byte", request_id=self.request_id, choice=choice.index,
+                            failed_worker=failed_worker.name if failed_worker else None, error_code=exc.code.value)
+                await self._admit_retry(choice, failed_worker)
+                continue
+            self._end_attempt(choice, failed=False)
+            return
+
+    def _first_token_time_left_s(self, choice: ChoiceState) -> float:
+        """Seconds left of the choice's first-token deadline (the whole timeout before its first ``Generate``)."""
+        if choice.first_token_deadline_s is None:
+            return self.first_token_timeout_s
+        return max(0.0, choice.first_token_deadline_s - time.perf_counter())
+
+    async def _admit_retry(self, choice: ChoiceState, failed_worker: WorkerClient | None) -> None:
+        """Admit the choice's retry on a fresh ticket that avoids ``failed_worker`` when another worker can serve.
+
+        Raises:
+            SluiceError: shed, or ``worker_timeout`` when the first-token deadline passes before admission (the
+                ticket then leaves its queue).
+        """
+        prompt_ids = self.prompts[choice.prompt_index]
+        choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, self.max_tokens[choice.prompt_index],
+                                                   avoid=failed_worker)
+        try:
+            await asyncio.wait_for(self.admission.admit(choice.ticket), self._first_token_time_left_s(choice))
+        except TimeoutError:
+            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"no worker sent a first token within "
+                              f"{self.first_token_timeout_s:g} s") from None
+        self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
+
+    def _send(self, choice: ChoiceState) -> None:
+        reservation = choice.reservation
+        if reservation is None:  # a bug: choices run only once admitted
+            raise RuntimeError(f"choice {choice.request_id} started without a reservation")
+        seed = self.sampling.seed
+        sampling = self.sampling if seed is None else msgspec.structs.replace(
+            self.sampling, seed=(seed + choice.index) % SEED_MODULUS)
+        suffix = "" if choice.attempt == 0 else f"-r{choice.attempt}"
+        message = Generate(
+            request_id=choice.request_id + suffix,
+            prompt_token_ids=self.prompts[choice.prompt_index],
+            sampling=sampling,
+            max_tokens=self.max_tokens[choice.prompt_index],
+            stop_token_ids=self.tokenizer.eos_token_ids,
+            tier=self.tier,
+            cache_key=self.cache_key,
+            deadline_s=self.admission.worker_start_deadline_s(
+                choice.ticket, self.pool.prefill_queue_s or choice.ticket.tier.queue_timeout_s),
+            ignore_eos=self.ignore_eos,
+            priority=reservation.priority,
+        )
+        choice.stream = None
+        prompt = self.upstream_prompts[choice.prompt_index] if self.upstream_prompts else None
+        choice.stream = reservation.worker.start_request(message, reservation, prompt)
+        choice.dispatched_at_s = time.perf_counter()
+        if choice.first_token_deadline_s is None:
+            choice.first_token_deadline_s = choice.dispatched_at_s + self.first_token_timeout_s
+        self.pool.dispatched(reservation)
+
+    def _end_attempt(self, choice: ChoiceState, failed: bool, answered: bool = True) -> None:
+        """Abort the attempt's worker request if it still runs, tell the breaker, give the reservation back
+        (with the answer's length unless it failed or was never ``answered``: dropped unstarted)."""
+        stream = choice.stream
+        if stream is not None and not stream.done:
+            stream.worker.abort(stream.request_id)
+        reservation = choice.reservation
+        if reservation is not None:
+            if failed:
+                self.pool.record_failure(reservation)
+            else:
+                self.pool.record_success(reservation)
+        if choice.ticket is not None:
+            self.admission.release(choice.ticket, choice.completion_tokens if answered and not failed else None)
+
+    async def _next_update(self, choice: ChoiceState) -> StreamUpdate:
+        stream = choice.stream
+        if choice.completion_tokens == 0:
+            limit_s = self.first_token_timeout_s
+            timeout_s = self._first_token_time_left_s(choice)
+            what = "first token"
+        else:
+            limit_s = timeout_s = self.stall_timeout_s
+            what = "next token"
+        try:
+            return await stream.next_update(timeout_s)
+        except SluiceError as exc:
+            if exc.code is not ErrorCode.WORKER_TIMEOUT:
+                raise
+            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"worker {stream.worker.name} sent no {what} within "
+                              f"{limit_s:g} s") from None
+
+    async def _stream(self, choice: ChoiceState) -> None:
+        stream = choice.stream
+        while True:
+            update = await self._next_update(choice)
+            if update.token_ids or update.text:
+                if choice.completion_tokens == 0:
+                    self.pool.record_success(choice.reservation)
+                self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
+                piece = self._detokenize(choice, update) if update.token_ids else update.text
+                text = choice.matcher.push(piece)
+                if text:
+                    await self._emit(choice, text)
+                if choice.matcher.matched is not None:
+                    stream.worker.abort(stream.request_id)
+                    await self._finish(choice, "stop")
+                    return
+            if update.finished is not None:
+                finished = update.finished
+                choice.cached_tokens = finished.cached_tokens
+                choice.completion_tokens = max(choice.completion_tokens, finished.completion_tokens)
+                text = choice.matcher.push(choice.detokenizer.flush())
+                if choice.matcher.matched is None:
+                    text += choice.matcher.flush()
+                if text:
+                    await self._emit(choice, text)
+                reason = "stop" if choice.matcher.matched is not None else finished.finish_reason
+                await self._finish(choice, "length" if reason == "length" else "stop")
+                return
+
+    def _detokenize(self, choice: ChoiceState, update: StreamUpdate) -> str:
+        """Return the text of the update's tokens; with logprobs, note where each token's text starts."""
+        if not self.sampling.logprobs or len(update.logprobs) != len(update.token_ids):
+            return choice.detokenizer.push(update.token_ids)
+        pieces = []
+        for token_id, logprob, top_ids, top_logprobs in zip(update.token_ids, update.logprobs,
+                                                             update.top_token_ids, update.top_logprobs):
+            pieces.append(choice.detokenizer.push([token_id]))
+            choice.logprobs.add(token_id, logprob, top_ids, top_logprobs, pieces[-1])
+        return "".join(pieces)
+
+    def _observe_tokens(self, choice: ChoiceState, num_tokens: int, worker_ttft_ms: float | None) -> None:
+        now_s = time.perf_counter()
+        if choice.completion_tokens == 0:
+            self._on_first_token(now_s, worker_ttft_ms)
+        else:
+            self.metrics.inter_token_latency.observe((now_s - choice.last_token_at_s) / num_tokens)
+        choice.last_token_at_s = now_s
+        choice.completion_tokens += num_tokens
+
+    async def _emit(self, choice: ChoiceState, text: str) -> None:
+        choice.text_parts.append(text)
+        await self._put_event(TextEvent(choice.index, text, choice.logprobs.emit(text)))
+
+    async def _finish(self, choice: ChoiceState, reason: str) -> None:
+        choice.finish_reason = reason
+        await self._put_event(FinishEvent(choice.index, reason))

@@ -1,41 +1,23 @@
 """The Redis job store: streams with a consumer group for the queue, hashes for state; shared by gateways.
 
-Keys (``P`` = ``jobs.redis_key_prefix``)::
+:class:`RedisJobStore` is the :class:`~gateway.jobs.store.JobStore` facade over three parts:
 
-    P:q:<priority>         stream, one per priority 0–9; entries {job: <id>}; consumer group "runners"
-    P:job:<id>             hash: the Job's fields
-    P:batch:<id>           hash: the Batch's fields (counters num_completed / num_failed change atomically)
-    P:batch:<id>:jobs      list: job ids in line order
-    P:file:<id>            hash: {record, content}
-    P:owner:<o>:jobs|batches|files   sorted sets of ids by creation sequence (listing, newest first)
-    P:active               hash owner → unfinished jobs (the max_jobs_per_key limit)
-    P:expiry               sorted set of unfinished job ids by expires_at
-    P:open_batches         set of batch ids not in a final status
-    P:seq                  creation sequence counter
+- :class:`~gateway.jobs.redis_keyspace.RedisKeyspace`: the connection, the key layout (listed there) and the
+  paging over owner indexes;
+- :class:`~gateway.jobs.redis_files.RedisFileStore`: the files;
+- :class:`~gateway.jobs.redis_queue.RedisJobQueue`: the priority streams and the lease of a running job (claim,
+  renew, requeue, finish).
 
-Queue mechanics (Redis streams, https://redis.io/docs/latest/develop/data-types/streams/):
-
-- submit: ``XADD P:q:<p>``; a runner claims with ``XREADGROUP ... >`` (highest priority stream first); the entry
-  stays in the group's pending list (PEL) while the job runs — that is the lease.
-- heartbeat: ``XCLAIM <stream> runners <me> 0 <entry> JUSTID`` resets the entry's idle time (only while the job
-  hash still names this runner as ``lease_owner``).
-- a runner that died stops renewing; after ``lease_timeout_s`` idle, any gateway's ``XAUTOCLAIM`` takes the entry.
-- final state: a Lua script sets it only when the job has none (first writer wins), counts the batch line,
-  ``XACK``s and ``XDEL``s the entry — all in one atomic step.
-
-Finished records get a Redis ``EXPIRE`` of the retention period; owner indexes drop ids of expired records lazily.
+The store itself keeps the job and batch records: adding jobs under the per-owner limit, reading and listing them,
+updating batches, and the summary. Finished records get a Redis ``EXPIRE`` of the retention period; owner indexes
+drop ids of expired records lazily.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from gateway.jobs.models import (
     BATCH_FINAL_STATUSES,
@@ -46,13 +28,12 @@ from gateway.jobs.models import (
     Job,
     JobsSummary,
 )
+from gateway.jobs.redis_files import RedisFileStore
+from gateway.jobs.redis_keyspace import RedisKeyspace
+from gateway.jobs.redis_queue import RedisJobQueue
 from gateway.jobs.redis_scripts import (
-    FINISH_LUA,
     GROUP,
-    RENEW_LUA,
-    REQUEUE_LUA,
     RESERVE_LUA,
-    START_LUA,
     UPDATE_BATCH_LUA,
     encode_field,
     from_hash,
@@ -60,8 +41,9 @@ from gateway.jobs.redis_scripts import (
 )
 from gateway.jobs.store import JobStore, TooManyJobsError
 
+
 class RedisJobStore(JobStore):
-    """The job store in Redis (see the module docstring for the key layout).
+    """The job store in Redis (key layout: :mod:`gateway.jobs.redis_keyspace`).
 
     Args:
         url: ``redis://host:port/db``.
@@ -71,124 +53,52 @@ class RedisJobStore(JobStore):
     def __init__(self, url: str, prefix: str) -> None:
         self.url = url
         self.prefix = prefix
-        self._redis: aioredis.Redis | None = None
+        self._keys = RedisKeyspace(url, prefix)
+        self._files = RedisFileStore(self._keys)
+        self._queue = RedisJobQueue(self._keys)
         self._scripts: dict[str, Any] = {}
-        self._next_autoclaim_s = 0.0
 
     @property
     def redis(self) -> aioredis.Redis:
-        if self._redis is None:
-            raise RuntimeError("the Redis job store is not open")
-        return self._redis
+        """The client (raises RuntimeError before :meth:`open`)."""
+        return self._keys.redis
 
     def _key(self, *parts: str) -> str:
-        return ":".join((self.prefix, *parts))
-
-    def _queue_key(self, priority: int) -> str:
-        return self._key("q", str(priority))
+        return self._keys.key(*parts)
 
     async def open(self) -> None:
         """See :meth:`JobStore.open`: connect, load the scripts, create the consumer groups."""
-        self._redis = aioredis.Redis.from_url(self.url, decode_responses=False)
-        for name, source in (("finish", FINISH_LUA), ("start", START_LUA), ("renew", RENEW_LUA),
-                             ("requeue", REQUEUE_LUA), ("reserve", RESERVE_LUA),
-                             ("update_batch", UPDATE_BATCH_LUA)):
-            self._scripts[name] = self._redis.register_script(source)
-        for priority in range(MIN_PRIORITY, MAX_PRIORITY + 1):
-            try:
-                await self._redis.xgroup_create(self._queue_key(priority), GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        redis = self._keys.connect()
+        for name, source in (("reserve", RESERVE_LUA), ("update_batch", UPDATE_BATCH_LUA)):
+            self._scripts[name] = redis.register_script(source)
+        await self._queue.open()
 
     async def close(self) -> None:
         """See :meth:`JobStore.close`."""
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
-
-    async def _next_seq(self) -> int:
-        return int(await self.redis.incr(self._key("seq")))
-
-    async def _page_of(self, index_key: str, limit: int, after: str | None,
-                       load: Callable[[str], Awaitable[Any]], keep: Callable[[Any], bool] = bool,
-                       oldest_first: bool = False) -> tuple[list, bool]:
-        """Return one page of records from a sorted-set index (newest first, strictly before ``after``; or oldest
-        first, strictly after it).
-
-        Args:
-            index_key: the owner's index (id → creation sequence).
-            limit: records per page.
-            after: cursor id, or None.
-            load: id → record, or None when the record expired (its id is then dropped from the index).
-            keep: filter on loaded records.
-            oldest_first: ascending creation order.
-
-        Returns:
-            (up to ``limit`` records, whether more matching records follow).
-        """
-        bound = "-inf" if oldest_first else "+inf"
-        if after is not None:
-            score = await self.redis.zscore(index_key, after)
-            if score is None:
-                return [], False
-            bound = f"({int(score)}"
-        records: list = []
-        while len(records) <= limit:
-            if oldest_first:
-                entries = await self.redis.zrangebyscore(index_key, bound, "+inf", start=0, num=limit + 1,
-                                                         withscores=True)
-            else:
-                entries = await self.redis.zrevrangebyscore(index_key, bound, "-inf", start=0, num=limit + 1,
-                                                            withscores=True)
-            for record_id, _ in entries:
-                record = await load(record_id.decode())
-                if record is None:
-                    await self.redis.zrem(index_key, record_id)
-                elif keep(record):
-                    records.append(record)
-            if len(entries) <= limit:
-                break  # the index is exhausted
-            bound = f"({int(entries[-1][1])}"
-        return records[:limit], len(records) > limit
+        await self._keys.close()
 
     # ----------------------------------------------------------------------------------------------- files
 
     async def put_file(self, record: FileRecord, content: bytes) -> None:
         """See :meth:`JobStore.put_file`."""
-        key = self._key("file", record.id)
-        ttl_s = max(1, int(record.expires_at - time.time())) if record.expires_at else None
-        seq = await self._next_seq()
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"record": msgspec.json.encode(record), "content": content})
-            if ttl_s is not None:
-                pipe.expire(key, ttl_s)
-            pipe.zadd(self._key("owner", record.owner, "files"), {record.id: seq}, nx=True)
-            await pipe.execute()
+        await self._files.put_file(record, content)
 
     async def get_file(self, file_id: str) -> FileRecord | None:
         """See :meth:`JobStore.get_file`."""
-        data = await self.redis.hget(self._key("file", file_id), "record")
-        return None if data is None else msgspec.json.decode(data, type=FileRecord)
+        return await self._files.get_file(file_id)
 
     async def get_file_content(self, file_id: str) -> bytes | None:
         """See :meth:`JobStore.get_file_content`."""
-        return await self.redis.hget(self._key("file", file_id), "content")
+        return await self._files.get_file_content(file_id)
 
     async def list_files(self, owner: str, limit: int, after: str | None,
                          purpose: str | None = None, oldest_first: bool = False) -> tuple[list[FileRecord], bool]:
         """See :meth:`JobStore.list_files`."""
-        return await self._page_of(self._key("owner", owner, "files"), limit, after, self.get_file,
-                                   lambda record: purpose is None or record.purpose == purpose, oldest_first)
+        return await self._files.list_files(owner, limit, after, purpose, oldest_first)
 
     async def delete_file(self, file_id: str) -> bool:
         """See :meth:`JobStore.delete_file`."""
-        record = await self.get_file(file_id)
-        if record is None:
-            return False
-        await self.redis.delete(self._key("file", file_id))
-        await self.redis.zrem(self._key("owner", record.owner, "files"), file_id)
-        return True
+        return await self._files.delete_file(file_id)
 
     # ----------------------------------------------------------------------------------------------- jobs
 
@@ -220,7 +130,7 @@ class RedisJobStore(JobStore):
                     if batch.status not in BATCH_FINAL_STATUSES:
                         pipe.sadd(self._key("open_batches"), batch.id)
                 for job in jobs:
-                    pipe.xadd(self._queue_key(job.priority), {"job": job.id})
+                    self._queue.enqueue(pipe, job)
                 await pipe.execute()
         except BaseException:
             if jobs:
@@ -234,7 +144,7 @@ class RedisJobStore(JobStore):
 
     async def list_jobs(self, owner: str, limit: int, after: str | None) -> tuple[list[Job], bool]:
         """See :meth:`JobStore.list_jobs`."""
-        return await self._page_of(self._key("owner", owner, "jobs"), limit, after, self.get_job)
+        return await self._keys.page_of(self._key("owner", owner, "jobs"), limit, after, self.get_job)
 
     async def count_active_jobs(self, owner: str) -> int:
         """See :meth:`JobStore.count_active_jobs`."""
@@ -242,74 +152,23 @@ class RedisJobStore(JobStore):
         return int(value or 0)
 
     async def claim(self, runner_id: str, lease_s: float, now_s: float) -> Job | None:
-        """See :meth:`JobStore.claim`: expired leases (``XAUTOCLAIM``, at most every ``lease_s / 4``), then
-        ``XREADGROUP`` over the priority streams, highest first."""
-        lease_ms = max(1, int(lease_s * 1000))
-        if now_s >= self._next_autoclaim_s:
-            self._next_autoclaim_s = now_s + lease_s / 4
-            for priority in range(MAX_PRIORITY, MIN_PRIORITY - 1, -1):
-                stream = self._queue_key(priority)
-                cursor: bytes | str = "0-0"
-                while True:
-                    cursor, entries, *_ = await self.redis.xautoclaim(stream, GROUP, runner_id, lease_ms, cursor,
-                                                                      count=1)
-                    for entry_id, fields in entries:
-                        job = await self._start(stream, entry_id, fields, runner_id, lease_s, now_s)
-                        if job is not None:
-                            self._next_autoclaim_s = now_s  # there may be more: look again next time
-                            return job
-                    if cursor in (b"0-0", "0-0"):
-                        break
-        for priority in range(MAX_PRIORITY, MIN_PRIORITY - 1, -1):
-            stream = self._queue_key(priority)
-            while True:
-                response = await self.redis.xreadgroup(GROUP, runner_id, {stream: ">"}, count=1)
-                if not response:
-                    break
-                entry_id, fields = response[0][1][0]
-                job = await self._start(stream, entry_id, fields, runner_id, lease_s, now_s)
-                if job is not None:
-                    return job
-        return None
-
-    async def _start(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes] | None, runner_id: str,
-                     lease_s: float, now_s: float) -> Job | None:
-        if not fields or b"job" not in fields:  # the entry was deleted under us
-            await self.redis.xack(stream, GROUP, entry_id)
-            return None
-        job_key = self._key("job", fields[b"job"].decode())
-        started = await self._scripts["start"](
-            keys=[job_key], args=[runner_id, repr(now_s + lease_s), repr(now_s), stream, entry_id])
-        if not int(started):
-            return None
-        raw = await self.redis.hgetall(job_key)
-        return from_hash(raw, Job) if raw else None
+        """See :meth:`JobStore.claim` and :meth:`RedisJobQueue.claim`."""
+        return await self._queue.claim(runner_id, lease_s, now_s)
 
     async def renew(self, job_id: str, runner_id: str, lease_s: float, now_s: float) -> bool:
         """See :meth:`JobStore.renew`."""
-        renewed = await self._scripts["renew"](keys=[self._key("job", job_id)],
-                                               args=[runner_id, repr(now_s + lease_s)])
-        return bool(int(renewed))
+        return await self._queue.renew(job_id, runner_id, lease_s, now_s)
 
     async def requeue(self, job_id: str, runner_id: str, refund_attempt: bool = False) -> bool:
         """See :meth:`JobStore.requeue`."""
-        job = await self.get_job(job_id)
-        if job is None:
-            return False
-        requeued = await self._scripts["requeue"](keys=[self._key("job", job_id)],
-                                                  args=[runner_id, self._queue_key(job.priority),
-                                                        int(refund_attempt)])
-        return bool(int(requeued))
+        return await self._queue.requeue(job_id, runner_id, refund_attempt)
 
     async def finish(self, job_id: str, status: str, now_s: float, *, result: bytes = b"",
                      error: dict[str, Any] | None = None, status_code: int = 0, request_id: str = "",
                      retention_s: float) -> bool:
         """See :meth:`JobStore.finish`."""
-        written = await self._scripts["finish"](
-            keys=[self._key("job", job_id), self._key("active"), self._key("expiry")],
-            args=[status, repr(now_s), result, "null" if error is None else json.dumps(error), status_code,
-                  request_id, self.prefix, repr(retention_s), job_id])
-        return bool(int(written))
+        return await self._queue.finish(job_id, status, now_s, result=result, error=error, status_code=status_code,
+                                        request_id=request_id, retention_s=retention_s)
 
     async def delete_job(self, job_id: str) -> bool:
         """See :meth:`JobStore.delete_job`."""
@@ -330,7 +189,7 @@ class RedisJobStore(JobStore):
             pipe.hvals(self._key("active"))
             pipe.scard(self._key("open_batches"))
             for priority in range(MIN_PRIORITY, MAX_PRIORITY + 1):
-                pipe.xpending(self._queue_key(priority), GROUP)
+                pipe.xpending(self._keys.queue_key(priority), GROUP)
             active_counts, num_batches, *pending = await pipe.execute(raise_on_error=False)
         num_active = sum(int(value) for value in active_counts)
         num_running = sum(int(entry["pending"]) for entry in pending if isinstance(entry, dict))
@@ -364,7 +223,7 @@ class RedisJobStore(JobStore):
 
     async def list_batches(self, owner: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
         """See :meth:`JobStore.list_batches`."""
-        return await self._page_of(self._key("owner", owner, "batches"), limit, after, self.get_batch)
+        return await self._keys.page_of(self._key("owner", owner, "batches"), limit, after, self.get_batch)
 
     async def update_batch(self, batch_id: str, expected_statuses: frozenset[str], retention_s: float,
                            **fields: Any) -> Batch | None:
@@ -395,7 +254,4 @@ class RedisJobStore(JobStore):
 
     async def delete_all(self) -> int:
         """Delete every key under this store's prefix (tests); return how many went."""
-        removed = 0
-        async for key in self.redis.scan_iter(match=self.prefix + ":*", count=1000):
-            removed += await self.redis.delete(key)
-        return removed
+        return await self._keys.delete_all()

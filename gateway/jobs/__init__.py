@@ -5,9 +5,9 @@ it adds the routes and one ``cleanup_ctx`` (opened after the workers, so closed 
 (``[jobs] store``: SQLite file or Redis), starts the runner, and on shutdown puts running jobs back in the queue.
 
 Modules, in call order: ``models`` (records and their JSON views) → ``store`` (the interface) →
-``sqlite_store`` / ``redis_store`` (each over its connection, ``*_files`` and ``*_queue``: leases) → ``idle_capacity`` (the fleet-wide gate) → ``runner`` (claim, lease, execute,
-expire, finalize) → ``api`` (``/v1/jobs``, ownership, deferral of shed requests) → ``batches`` (``/v1/files``,
-``/v1/batches``).
+``sqlite_store`` / ``redis_store`` (each over its connection, ``*_files`` and ``*_queue``: leases) →
+``idle_capacity`` (the fleet-wide gate) → ``runner`` (claim, lease, execute, expire, finalize) → ``api``
+(``/v1/jobs``, ownership, deferral of shed requests) → ``batches`` (``/v1/files``, ``/v1/batches``).
 """
 
 from __future__ import annotations

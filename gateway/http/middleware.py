@@ -20,6 +20,7 @@ from typing import Awaitable, Callable
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.state import CONFIG, GATEWAY_ID, METRICS, REQUEST_ID, REQUEST_LOG
 from shared.errors import ErrorCode, SluiceError, error_envelope
@@ -91,6 +92,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             response = _json_error(exc, request_id)
         except web.HTTPException as exc:
             response = _http_error(exc, request, request_id)
+        except (web.RequestPayloadError, HttpProcessingError) as exc:  # a body its Content-Encoding cannot decode
+            error = SluiceError(ErrorCode.INVALID_REQUEST, f"The request body could not be read: {exc}")
+            request[REQUEST_LOG].setdefault("error_code", error.code.value)
+            response = _json_error(error, request_id)
         except asyncio.CancelledError:
             status = CLIENT_CLOSED_STATUS
             request[REQUEST_LOG]["outcome"] = "client_disconnected"

@@ -172,14 +172,13 @@ async def _owned_batch(request: web.Request) -> Batch:
 # ---------------------------------------------------------------------------------------------- files
 
 
-async def upload_file(request: web.Request) -> web.Response:
-    """``POST /v1/files``: store a batch input file (multipart ``file``, ``purpose=batch``)."""
-    service = request.app[JOBS]
-    owner = owner_of(request)
-    limits = service.config.jobs
-    if not request.content_type.startswith("multipart/"):
-        raise SluiceError(ErrorCode.INVALID_REQUEST, "upload the file as multipart/form-data with the fields "
-                          "'file' and 'purpose'")
+async def _read_upload(request: web.Request, max_file_bytes: int) -> tuple[dict[str, str], bytes | None, str]:
+    """Read a multipart upload: ``(text fields, the 'file' part's bytes or None, its filename)``.
+
+    Raises:
+        SluiceError: ``request_too_large`` when the file exceeds ``max_file_bytes``.
+        ValueError: the multipart body is malformed (aiohttp's reader).
+    """
     reader = await request.multipart()
     fields: dict[str, str] = {}
     content: bytes | None = None
@@ -191,13 +190,28 @@ async def upload_file(request: web.Request) -> web.Response:
             size = 0
             while chunk := await part.read_chunk(READ_CHUNK_BYTES):
                 size += len(chunk)
-                if size > limits.max_file_bytes:
+                if size > max_file_bytes:
                     raise SluiceError(ErrorCode.BODY_TOO_LARGE, f"The file exceeds the limit of "
-                                      f"{limits.max_file_bytes} bytes (jobs.max_file_bytes).", param="file")
+                                      f"{max_file_bytes} bytes (jobs.max_file_bytes).", param="file")
                 chunks.append(chunk)
             content = b"".join(chunks)
         elif part.name:
             fields[part.name] = (await part.read(decode=True)).decode("utf-8", errors="replace")
+    return fields, content, filename
+
+
+async def upload_file(request: web.Request) -> web.Response:
+    """``POST /v1/files``: store a batch input file (multipart ``file``, ``purpose=batch``)."""
+    service = request.app[JOBS]
+    owner = owner_of(request)
+    limits = service.config.jobs
+    if not request.content_type.startswith("multipart/"):
+        raise SluiceError(ErrorCode.INVALID_REQUEST, "upload the file as multipart/form-data with the fields "
+                          "'file' and 'purpose'")
+    try:
+        fields, content, filename = await _read_upload(request, limits.max_file_bytes)
+    except ValueError as exc:  # aiohttp's multipart reader: no boundary, or not where the header says
+        raise SluiceError(ErrorCode.INVALID_REQUEST, f"The multipart/form-data body is malformed: {exc}") from exc
     if content is None:
         raise SluiceError(ErrorCode.MISSING_FIELD, "Missing required parameter: 'file'", param="file")
     purpose = fields.get("purpose")
@@ -265,8 +279,11 @@ async def create_batch(request: web.Request) -> web.Response:
     owner = owner_of(request)
     body = await read_json_object(request)
     for name in ("input_file_id", "endpoint", "completion_window"):
-        if not isinstance(body.get(name), str):
+        if body.get(name) is None:
             raise SluiceError(ErrorCode.MISSING_FIELD, f"Missing required parameter: '{name}'", param=name)
+        if not isinstance(body[name], str):
+            raise SluiceError(ErrorCode.INVALID_TYPE, f"'{name}' must be a string, got "
+                              f"{type(body[name]).__name__}", param=name)
     endpoint = body["endpoint"]
     if endpoint not in ENDPOINT_TO_KIND:
         raise SluiceError(ErrorCode.INVALID_VALUE, f"'endpoint' must be one of {sorted(ENDPOINT_TO_KIND)} on this "

@@ -54,6 +54,16 @@ async def test_bc22_invalid_json_bodies_are_json_400(client, raw):
     assert headers["x-request-id"]
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_its_content_encoding_cannot_decode_is_400_not_a_500(client, path, encoding):
+    response = await client.post(path, data=b"not compressed at all",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+    error = _envelope(await response.read())
+    assert response.status == 400 and error["code"] == "invalid_request_error"
+    assert "could not be read" in error["message"]
+
+
 async def test_bc22_trailing_comma_on_completions_is_400(client):
     raw = b'{"model": "%s", "prompt": "hi", "max_tokens": 4,}' % MODEL.encode()
     status, _, body = await _post(client, "/v1/completions", raw=raw)

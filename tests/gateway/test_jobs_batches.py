@@ -169,6 +169,37 @@ def test_upload_limits_and_bad_lines_name_the_line(server):
     assert retention.status_code == 400 and "result_retention_days" in retention.message
 
 
+def _post_raw(server: Server, path: str, data: bytes, content_type: str) -> tuple[int, dict]:
+    """POST ``data`` as it is (no client library reshapes it); return (status, the JSON body)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(server.base_url + path, data=data, method="POST",
+                                     headers={"Content-Type": content_type, "Authorization": "Bearer key-alice"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("content_type", ["multipart/form-data; boundary=zzz", "multipart/form-data"])
+def test_a_malformed_multipart_upload_is_400_not_a_500(server, content_type):
+    status, body = _post_raw(server, "/v1/files", b"garbage", content_type)
+    assert status == 400 and body["error"]["code"] == "invalid_request_error"
+    assert "multipart" in body["error"]["message"]
+
+
+def test_a_batch_field_of_the_wrong_type_is_invalid_type_naming_it(server):
+    body = {"input_file_id": 5, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    status, answer = _post_raw(server, "/v1/batches", json.dumps(body).encode(), "application/json")
+    assert status == 400 and answer["error"]["code"] == "invalid_type"
+    assert answer["error"]["param"] == "input_file_id"
+    del body["input_file_id"]
+    status, answer = _post_raw(server, "/v1/batches", json.dumps(body).encode(), "application/json")
+    assert status == 400 and answer["error"]["code"] == "missing_required_parameter"
+
+
 def test_batch_with_an_unserved_model_fails_with_per_line_errors(server):
     client = _client(server)
     rows = [json.loads(line) for line in batch_lines(3).decode().splitlines()]

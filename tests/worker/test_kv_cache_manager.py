@@ -348,3 +348,16 @@ def test_without_a_copier_hits_stay_whole_blocks():
     again = Sequence("b", list(range(10)))
     admit(kv, again)
     assert again.num_computed_tokens == 8
+
+
+def test_a_released_requests_partly_filled_last_block_lends_its_rows_to_the_same_prompt_again():
+    copier = RecordingCopier()
+    kv = make_manager(8, block_copier=copier)
+    first = answered(kv, "a", list(range(10)), [50])  # 11 computed tokens: block 2 holds rows of 8, 9, 50 only
+    assert first.num_computed_tokens == 11 and kv.num_cached_blocks == 3
+    again = Sequence("b", list(range(10)))
+    table = admit(kv, again)
+    assert again.num_computed_tokens == 9 and copier.copies == [(2, table[2], 1)]
+    # no whole-block lookup ever matches the partly filled block
+    assert kv.get_computed_blocks(Sequence("c", list(range(8)) + [8, 9, 50, 51, 52])) == ([0, 1], 8)
+    check_accounting(kv)

@@ -181,6 +181,12 @@ def test_prefix_hits_with_partial_block_copies_answer_as_a_cold_cache_does(gguf_
     assert branched_cached == [len(prompts[0]) - 3]
     assert engine.scheduler.kv.stats.snapshot()["partial_block_hit_tokens"] == sum(
         (len(p) - 1) % 16 for p in prompts) + (len(prompts[0]) - 3) % 16
+    # a short answer leaves the last block partly filled: it is cached at release, and lends its rows too
+    short = [9906, 28, 1030, 30, 2]
+    cold_short = _generate(model, [short], 2)
+    short_cached: list[int] = []
+    assert _generate(model, [short], 2, engine) == cold_short
+    assert _generate(model, [short], 2, engine, short_cached) == cold_short and short_cached == [len(short) - 1]
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16", "int8", "int4"])

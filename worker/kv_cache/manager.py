@@ -14,7 +14,8 @@ Block table of a request (``block_idx`` -> ``block_id``)::
 Partial-block reuse: after the whole-block hits, the cached block that follows the same chain and shares the most
 leading tokens with the request's next block lends those rows: they are copied into the request's own new block
 (``block_copier``), so a repeated prompt computes its last token only, not up to ``block_size`` of them (SGLang's
-radix cache reuses at token granularity the same way; vLLM v1 recomputes the partial block).
+radix cache reuses at token granularity the same way; vLLM v1 recomputes the partial block). A released request's
+partly filled last block is cached too, as such a source only.
 
 KV lifetime (issue 4): :meth:`KVCacheManager.admit` is the scheduler's admission call. After the device hits it
 looks the chain up in the offload tiers and reloads the blocks the cost model says are cheaper to move than to
@@ -42,7 +43,7 @@ from worker.kv_cache.eviction import (
     make_policy,
     retention_for_pressure,
 )
-from worker.kv_cache.prefix_cache import PrefixCache, hash_token_blocks
+from worker.kv_cache.prefix_cache import PrefixCache, hash_block_tokens, hash_token_blocks
 from worker.kv_cache.stats import KVStats
 from worker.sequence import Sequence, SequenceStatus
 
@@ -151,6 +152,12 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """Return a copy of the request's block table, ``[num_blocks_of_request]`` block ids ([] if unknown)."""
         return list(self._req_to_blocks.get(request_id, ()))
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """The live map request id -> block table (``[num_blocks_of_request]`` block ids), not a copy: read it in
+        the scheduler's hot loop, never change it (:meth:`allocate_slots` and :meth:`free` do)."""
+        return self._req_to_blocks
 
     # ------------------------------------------------------------------ the scheduler's calls
 
@@ -274,8 +281,9 @@ class KVCacheManager:
         num_hits_evictable = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
         if num_needed + num_hits_evictable > self.pool.num_free_blocks:
             return None
-        self._observe_reuse_gaps(new_computed_blocks)
-        self.pool.touch(new_computed_blocks)
+        if new_computed_blocks:  # a decode step's new block has no hits to count and touch
+            self._observe_reuse_gaps(new_computed_blocks)
+            self.pool.touch(new_computed_blocks)
         new_block_ids = self.pool.allocate(num_needed)
         self._flush_demotions()
         if new_block_ids is None:
@@ -373,14 +381,38 @@ class KVCacheManager:
     # ------------------------------------------------------------------ internals
 
     def _release(self, seq: Sequence) -> None:
-        table = self._req_to_blocks.pop(seq.request_id, None)
-        num_cached = self._req_num_cached_blocks.pop(seq.request_id, 0)
+        table = self._req_to_blocks.get(seq.request_id)
+        num_cached = self._req_num_cached_blocks.get(seq.request_id, 0)
+        if table is not None and self.block_copier is not None and self.enable_prefix_caching \
+                and seq.request_id not in self._no_cache:
+            num_cached = self._cache_tail(seq, table, num_cached)
+        self._req_to_blocks.pop(seq.request_id, None)
+        self._req_num_cached_blocks.pop(seq.request_id, None)
         self._req_to_hashes.pop(seq.request_id, None)
         self._no_cache.discard(seq.request_id)
         if table is None:
             return
         self._update_metas(seq, table, num_cached)
         self.pool.free(reversed(table))
+
+    def _cache_tail(self, seq: Sequence, table: list[int], num_cached: int) -> int:
+        """Register the partly filled block after ``seq``'s cached chain (its last computed tokens) in the prefix
+        cache, as a source of partial-block reuse only: its hash covers fewer than ``block_size`` tokens, so no
+        whole-block lookup matches it. Returns the number of leading cached blocks of ``table`` after it."""
+        tail_idx, num_rows = divmod(seq.num_computed_tokens, self.block_size)
+        if num_rows == 0 or tail_idx != num_cached or tail_idx >= len(table) or self.pool.is_cached(table[tail_idx]):
+            return num_cached
+        token_ids = seq.all_token_ids
+        parent = self._hashes(seq, token_ids, tail_idx)[tail_idx - 1] if tail_idx else None
+        tokens = token_ids[tail_idx * self.block_size:seq.num_computed_tokens]
+        block_hash = hash_block_tokens(parent, tokens)
+        if not self.prefix_cache.insert(block_hash, parent, tokens, table[tail_idx]):
+            return num_cached
+        now_s = self.clock()
+        self.pool.mark_cached(table[tail_idx], BlockMeta(block_hash=block_hash, block_idx=tail_idx, tier=seq.tier,
+                                                         tier_priority=seq.tier_priority, last_access_s=now_s,
+                                                         cached_at_s=now_s))
+        return num_cached + 1
 
     def _match_partial(self, seq: Sequence, num_hit_blocks: int) -> tuple[int | None, int]:
         """Find a cached block whose leading rows ``seq`` can copy into table position ``num_hit_blocks``.
@@ -542,7 +574,8 @@ class KVCacheManager:
         if meta is not None:
             self.stats.add("evicted_blocks", 1, policy=self.pool.policy.name, tier=meta.tier)
             self.stats.block_lifetime_s.add(max(0.0, now_s - meta.cached_at_s))
-        if self.offload is not None and meta is not None and entry is not None and entry[0] == block_hash:
+        if self.offload is not None and meta is not None and entry is not None and entry[0] == block_hash \
+                and len(entry[2]) == self.block_size:  # a partly filled block is never looked up in the tiers
             if meta.expires_at_s <= now_s:
                 self.stats.add("expired_blocks")
             else:

@@ -141,13 +141,20 @@ class Engine:
             now_s = self._clock()
             self._refresh_kv_stats(now_s)
             return StepResult(events=events, step_time_s=now_s - start_s)
-        num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
-        num_prefill = sum(s.num_new_tokens for s in out.scheduled) - num_decode
+        scheduled = out.scheduled
+        if out.all_decode:
+            num_decode, num_prefill = len(scheduled), 0
+        else:
+            num_decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.seq.output_token_ids)
+            num_prefill = sum(s.num_new_tokens for s in scheduled) - num_decode
         run_start_s = time.perf_counter()
-        step_ids = [s.seq.request_id for s in out.scheduled]
         aborted = self._abort_requested
+
+        def should_stop() -> bool:  # every sequence of the step is marked aborted
+            return bool(aborted) and all(item.seq.request_id in aborted for item in scheduled)
+
         try:
-            sampled = self.runner.run(out, lambda: all(request_id in aborted for request_id in step_ids))
+            sampled = self.runner.run(out, should_stop)
         except StepAbandoned:
             return StepResult(events=[], step_time_s=self._clock() - start_s)
         kv.observe_prefill(num_prefill, num_decode, time.perf_counter() - run_start_s)
@@ -158,14 +165,18 @@ class Engine:
         self._rates.observe(num_prefill, num_decode, step_time_s)
         result = StepResult(events, step_time_s=step_time_s, num_decode_tokens=num_decode,
                             num_prefill_tokens=num_prefill, logprobs=self.runner.step_logprobs)
-        for event in events:
-            arrival_s = self._arrival_s.get(event.request_id)
-            if arrival_s is not None and event.new_token_ids and event.completion_tokens == len(event.new_token_ids):
-                result.first_token_latency_ms[event.request_id] = (end_s - arrival_s) * 1000.0
-            if event.finish_reason is not None:
-                self._arrival_s.pop(event.request_id, None)
-                if event.error is None:
-                    self._prompt_tokens_window.append((end_s, event.prompt_tokens, event.cached_tokens))
+        arrivals = self._arrival_s
+        if not out.all_decode:  # a decode step's sequences have output already: no first token
+            for event in events:
+                # a first token: the event's tokens are all the request has produced
+                if event.new_token_ids and event.completion_tokens == len(event.new_token_ids):
+                    arrival_s = arrivals.get(event.request_id)
+                    if arrival_s is not None:
+                        result.first_token_latency_ms[event.request_id] = (end_s - arrival_s) * 1000.0
+        for event in [event for event in events if event.finish_reason is not None]:
+            arrivals.pop(event.request_id, None)
+            if event.error is None:
+                self._prompt_tokens_window.append((end_s, event.prompt_tokens, event.cached_tokens))
         while self._prompt_tokens_window and self._prompt_tokens_window[0][0] < end_s - 60.0:
             self._prompt_tokens_window.popleft()
         return result

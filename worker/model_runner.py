@@ -6,6 +6,7 @@ The one place where scheduler metadata (sequences, block ids) meets tensors.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +16,7 @@ from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs
 from worker.sampling import Sampler, TokenLogprobs, token_logprobs
 from worker.scheduler import SchedulerOutput
+from worker.sequence import Sequence
 
 
 class BatchBuilder:
@@ -37,6 +39,9 @@ class BatchBuilder:
         self.block_size = block_size
         self.device = torch.device(device)
         self._tables = np.zeros((64, 64), dtype=np.int64)
+        # the block table of each row of _tables as the last decode step wrote it (row r holds _table_rows[r],
+        # then zeros); [] once anything else wrote _tables
+        self._table_rows: list[list[int]] = []
 
     def build(self, out: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled chunks of every sequence (at least one) into one batch.
@@ -45,6 +50,8 @@ class BatchBuilder:
             The batch; ``logits_indices`` has one row per sequence whose chunk samples a token, in scheduled
             order.
         """
+        if out.all_decode:
+            return self._build_decode(out)
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         starts_list: list[int] = []
@@ -112,14 +119,76 @@ class BatchBuilder:
             decode_seqs=decode_seqs,
         )
 
-    def _fill_tables(self, tables_list: list[list[int]]) -> np.ndarray:
-        """Return the block tables ``[num_seqs, max_blocks]`` int64 (a view of the reused buffer), 0-padded."""
+    def _build_decode(self, out: SchedulerOutput) -> ForwardBatch:
+        """:meth:`build` of a step whose every chunk is one generated token (``out.all_decode``): the same batch,
+        without the per-sequence chunk logic; the block tables rewrite only the rows that changed since the last
+        decode step."""
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        seqs = [item.seq for item in scheduled]
+        input_ids = np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64, count=num_seqs)
+        starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
+        tables = self._update_tables([item.block_ids for item in scheduled])
+        block_size = self.block_size
+        rows = np.arange(num_seqs, dtype=np.int64)
+        block_idx, offsets = np.divmod(starts, block_size)
+        slots = tables[rows, block_idx] * block_size + offsets
+        ends = starts + 1
+        device = self.device
+        seq_lens = ends.tolist()
+        return ForwardBatch(
+            input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
+            positions=torch.from_numpy(starts).to(device, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
+            query_start_loc=list(range(num_seqs + 1)),
+            seq_lens=seq_lens,
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device, non_blocking=True),
+            context_lens=torch.from_numpy(ends.astype(np.int32)).to(device, non_blocking=True),
+            logits_indices=torch.from_numpy(rows).to(device, non_blocking=True),
+            max_seq_len=max(seq_lens),
+            is_decode_only=True,
+            decode_seqs=[True] * num_seqs,
+        )
+
+    def _update_tables(self, tables_list: list[list[int]]) -> np.ndarray:
+        """:meth:`_fill_tables` for a decode step: rewrite only the rows whose table differs from the one the last
+        decode step wrote there (between two decode steps most sequences keep their table)."""
+        rows = self._table_rows
+        num_seqs = len(tables_list)
+        if len(rows) < num_seqs or self._tables.shape[0] < num_seqs:
+            return self._fill_tables(tables_list, remember=True)
+        max_blocks = max(map(len, tables_list))
+        if self._tables.shape[1] < max_blocks:
+            return self._fill_tables(tables_list, remember=True)
+        if rows[:num_seqs] != tables_list:
+            changed = list(itertools.compress(range(num_seqs), map(operator.ne, rows, tables_list)))
+            if 8 * len(changed) > num_seqs:  # many rows: one vectorised fill is cheaper
+                return self._fill_tables(tables_list, remember=True)
+            for r in changed:
+                table = tables_list[r]
+                row = self._tables[r]
+                row[len(table):] = 0
+                row[:len(table)] = table
+                rows[r] = list(table)
+        return self._tables[:num_seqs, :max_blocks]
+
+    def _fill_tables(self, tables_list: list[list[int]], remember: bool = False) -> np.ndarray:
+        """Return the block tables ``[num_seqs, max_blocks]`` int64 (a view of the reused buffer), 0-padded.
+
+        With ``remember``, the whole buffer beyond the tables is zeroed and :meth:`_update_tables` may reuse the
+        rows in the next decode step; without, it may not.
+        """
         num_seqs = len(tables_list)
         lengths = np.fromiter(map(len, tables_list), dtype=np.int64, count=num_seqs)
         max_blocks = int(lengths.max())
         if self._tables.shape[0] < num_seqs or self._tables.shape[1] < max_blocks:
             self._tables = np.zeros((max(num_seqs, self._tables.shape[0]), max(max_blocks, self._tables.shape[1])),
                                     dtype=np.int64)
+        if remember:
+            self._tables.fill(0)
+            self._table_rows = [list(table) for table in tables_list]  # copies: a caller may change its lists
+        else:
+            self._table_rows = []
         tables = self._tables[:num_seqs, :max_blocks]
         tables.fill(0)
         flat = np.fromiter(itertools.chain.from_iterable(tables_list), dtype=np.int64, count=int(lengths.sum()))
@@ -234,6 +303,7 @@ class ModelRunner:
         self.block_io = KVBlockIO(kv_cache)
         self.batch_builder = BatchBuilder(block_size, device)
         self.step_logprobs: dict[str, TokenLogprobs] = {}
+        self._plan = _SamplingPlan([])
 
     def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
@@ -248,7 +318,7 @@ class ModelRunner:
             StepAbandoned: ``should_stop`` said so.
         """
         batch = self.batch_builder.build(out)
-        sampling = [item for item in out.scheduled if item.sample]
+        sampling = out.scheduled if out.all_decode else [item for item in out.scheduled if item.sample]
         self.step_logprobs = {}
         if not sampling:
             with torch.inference_mode():
@@ -258,16 +328,38 @@ class ModelRunner:
             logits = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
             if logits is None:
                 logits = self.model.forward(batch, self.kv_cache, should_stop)
-        token_ids = self.sampler.sample(
-            logits,
-            [item.seq.sampling for item in sampling],
-            [item.seq.seed for item in sampling],
-            [len(item.seq.output_token_ids) for item in sampling],
-        )
-        rows = [r for r, item in enumerate(sampling) if item.seq.sampling.logprobs]
+        seqs = [item.seq for item in sampling]
+        plan = self._plan
+        if plan.seqs != seqs:  # Sequence compares by identity
+            plan = self._plan = _SamplingPlan(seqs)
+        if plan.all_greedy and logits.shape[0] == len(seqs):
+            token_ids = self.sampler.greedy(logits)  # what sample() returns, without its per-row checks
+        else:
+            output_lens = [len(seq.output_token_ids) for seq in seqs]
+            token_ids = self.sampler.sample(logits, plan.params, plan.seeds, output_lens)
+        rows = plan.logprob_rows
         if rows:
             picked = logits if len(rows) == len(sampling) else logits[rows]
-            found = token_logprobs(picked, [token_ids[r] for r in rows],
-                                   [sampling[r].seq.sampling.top_logprobs for r in rows])
-            self.step_logprobs = {sampling[r].seq.request_id: lp for r, lp in zip(rows, found)}
-        return {item.seq.request_id: token for item, token in zip(sampling, token_ids)}
+            found = token_logprobs(picked, [token_ids[r] for r in rows], [seqs[r].sampling.top_logprobs for r in rows])
+            self.step_logprobs = {seqs[r].request_id: lp for r, lp in zip(rows, found)}
+        return dict(zip(plan.request_ids, token_ids))
+
+
+class _SamplingPlan:
+    """What the sampler needs of a step's sampling sequences that does not change while the same sequences, in the
+    same order, sample step after step (a run of decode steps): kept by :class:`ModelRunner` across steps.
+
+    Attributes:
+        seqs: the sequences, in the order of the logits rows.
+        params, seeds, request_ids: of each row.
+        all_greedy: every row is greedy (``temperature == 0``).
+        logprob_rows: the rows whose request asks for log-probabilities.
+    """
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.seqs = seqs
+        self.params = [seq.sampling for seq in seqs]
+        self.seeds = [seq.seed for seq in seqs]
+        self.request_ids = [seq.request_id for seq in seqs]
+        self.all_greedy = bool(seqs) and all(p.temperature == 0 for p in self.params)
+        self.logprob_rows = [r for r, p in enumerate(self.params) if p.logprobs]

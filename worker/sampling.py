@@ -37,6 +37,8 @@ def uniform_for(seed: int, output_pos: int) -> float:
     return (x >> 11) * (1.0 / (1 << 53))
 
 
+_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)  # CPU logits whose greedy pick numpy computes
+
 MAX_TOP_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's chat limit)
 
 
@@ -137,14 +139,14 @@ class Sampler:
             )
         greedy_rows = [r for r, p in enumerate(params) if p.temperature == 0]
         if greedy_rows and len(greedy_rows) == num_rows:
-            # max(dim).indices: the first maximal index like argmax, and several times faster than argmax over
-            # [32, 49152] on the CPU (torch 2.13, one thread)
-            return logits.max(dim=-1).indices.tolist()
+            return self.greedy(logits)
         tokens = [0] * num_rows
         random_rows = [r for r, p in enumerate(params) if p.temperature != 0]
         if greedy_rows:
-            for r, token in zip(greedy_rows, logits[greedy_rows].max(dim=-1).indices.tolist()):
+            for r, token in zip(greedy_rows, self.greedy(logits[greedy_rows])):
                 tokens[r] = token
+        if random_rows and not greedy_rows:  # every row samples: no subsets to gather
+            return self._sample_random(logits, params, uniforms_for(seeds, output_lens))
         if random_rows:
             picked = self._sample_random(
                 logits[random_rows],
@@ -154,6 +156,21 @@ class Sampler:
             for r, token in zip(random_rows, picked):
                 tokens[r] = token
         return tokens
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> list[int]:
+        """Return the first maximal column of each row of ``logits [num_rows, vocab_size]`` (a NaN counts as the
+        maximum), one token id per row: what :meth:`sample` returns when every row is greedy.
+
+        A CPU float32/float64 tensor goes through numpy's ``argmax`` (SIMD; about 10x faster than torch's
+        ``max(dim)`` on [256, 1024] float32, one thread, torch 2.13); other dtypes and devices use
+        ``max(dim).indices``, itself several times faster than torch's ``argmax`` on the CPU. Both pick the same
+        index.
+        """
+        if (logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX_DTYPES and not logits.requires_grad
+                and not logits.is_neg()):
+            return logits.numpy().argmax(axis=-1).tolist()
+        return logits.max(dim=-1).indices.tolist()
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> list[int]:
@@ -173,16 +190,16 @@ class Sampler:
         probs = torch.softmax(sorted_logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            mass_before = probs.cumsum(dim=-1) - probs
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
             # The most likely token is always kept (its mass_before is 0), also for top_p <= 0.
             drop = mass_before >= top_p[:, None]
             drop[:, 0] = False
-            probs = probs.masked_fill(drop, 0.0)
+            probs = torch.where(drop, 0.0, probs)  # masked_fill(drop, 0.0), faster on the CPU
         cumulative = probs.cumsum(dim=-1)
         target = torch.tensor(uniforms, dtype=torch.float32, device=device) * cumulative[:, -1]
         rank = torch.searchsorted(cumulative, target[:, None], right=True).clamp_(max=vocab_size - 1)
         # Kept ranks are a prefix (top-k, top-p and softmax underflow all drop a tail); float rounding can land
         # past it, so clamp to the last kept rank.
-        last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+        last_kept = (probs > 0).sum(dim=-1, keepdim=True, dtype=torch.int32) - 1  # int32: a faster sum of bools
         rank = torch.minimum(rank, last_kept)
         return sorted_ids.gather(1, rank).squeeze(1).tolist()

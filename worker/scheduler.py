@@ -33,6 +33,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.errors import ErrorCode
 from worker.kv_cache.manager import PREEMPT_SWAP, KVCacheManager
 from worker.sequence import Sequence, SequenceStatus
@@ -42,14 +44,17 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
 
-@dataclass
-class ScheduledSeq:
+class ScheduledSeq(msgspec.Struct, gc=False):
     """One sequence's share of a step.
+
+    A ``msgspec.Struct`` built in C, one per scheduled sequence per step, untracked by the cyclic garbage collector
+    (``gc=False``: nothing it holds refers back to it), so a step's allocations trigger fewer collections.
 
     Attributes:
         seq: the sequence; its tokens ``[seq.num_computed_tokens, + num_new_tokens)`` are computed this step.
         num_new_tokens: tokens computed this step (1 for decode, a chunk for prefill).
-        block_ids: the sequence's whole block table after this step's allocation, ``[num_blocks_of_seq]``.
+        block_ids: the sequence's whole block table after this step's allocation, ``[num_blocks_of_seq]``; a copy
+            that consecutive decode steps may share while the table does not grow: never change it.
         sample: the chunk reaches the last known token, so the step samples the next one.
     """
 
@@ -61,19 +66,30 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    """The decision for one step: scheduled chunks in batch order, and who was preempted to make room."""
+    """The decision for one step: scheduled chunks in batch order, and who was preempted to make room.
+
+    Attributes:
+        scheduled: the chunks, in batch order.
+        preempted_request_ids: the sequences preempted to make room, in preemption order.
+        all_decode: every chunk is one generated token of a sequence that has output already (a decode step, which
+            samples); :meth:`Scheduler.schedule` sets it when so, lets the engine and the batch builder skip their
+            per-sequence checks. False promises nothing.
+    """
 
     scheduled: list[ScheduledSeq]
     preempted_request_ids: list[str] = field(default_factory=list)
+    all_decode: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
 
 
-@dataclass
-class SeqEvent:
+class SeqEvent(msgspec.Struct, gc=False):
     """What happened to one sequence in a step.
+
+    A ``msgspec.Struct`` built in C, one per sequence per step, untracked by the cyclic garbage collector
+    (``gc=False``: it holds ids, counts and a fresh token list, nothing that refers back to it).
 
     Attributes:
         request_id: the sequence.
@@ -152,6 +168,11 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}
         self._arrival_idx: dict[str, int] = {}
         self._scheduled_last_step: set[str] = set()  # request ids the last schedule() gave tokens
+        self._order: list[Sequence] = []  # running sorted by _queue_key, for the running list _order_of
+        self._order_of: list[Sequence] = []
+        # request id -> (its live block table, that table's length, the copy of it handed out in ScheduledSeq):
+        # a decode step that adds no block hands out the same copy again
+        self._block_ids: dict[str, tuple[list[int], int, list[int]]] = {}
         self._num_added = 0
         self._pending_events: list[SeqEvent] = []  # refusals and pool-limit finishes, returned by the next update
 
@@ -235,10 +256,20 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's chunks within the token budget (see the module docstring)."""
+        """Choose this step's chunks within the token budget (see the module docstring).
+
+        A steady decode step (every running sequence decodes, nothing waits) ends after the decode pass: the prefill
+        pass would schedule nothing. Its output has ``all_decode`` set.
+        """
         step = _Step(budget_tokens=self.max_num_batched_tokens)
-        order = sorted(self.running, key=self._queue_key)
-        self._schedule_running(step, order, decode=True)
+        order = self._running_order()
+        prefill_pass_idle, all_decode = self._schedule_decode(step, order)
+        if prefill_pass_idle and (not self.waiting or step.budget_tokens == 0):
+            # no running sequence is mid-prefill, and nothing waits or no budget is left: the prefill pass below
+            # would schedule nothing (a steady decode step)
+            self._scheduled_last_step = set(step.scheduled)
+            return SchedulerOutput(list(step.scheduled.values()), step.preempted,
+                                   all_decode=all_decode and bool(step.scheduled))
         prefilling = [s for s in order if s.request_id not in step.scheduled]  # mid-prefill, or preempted
         admitting = True
         for tier_priority in sorted({s.tier_priority for s in order} | {s.tier_priority for s in self.waiting},
@@ -268,18 +299,92 @@ class Scheduler:
         if missing:
             raise ValueError(f"no sampled token for {missing}")
         events, self._pending_events = self._pending_events, []
-        block_size = self.kv.block_size
+        append_event = events.append
+        kv = self.kv
+        block_size = kv.block_size
+        max_model_len = self.max_model_len_tokens
         for item in live:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            num_new = item.num_new_tokens
+            num_computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = num_computed
             # one decode token fills a block only at a block boundary; every earlier full block is cached already
-            if item.num_new_tokens > 1 or seq.num_computed_tokens % block_size == 0:
-                self.kv.cache_blocks(seq)
-            if item.sample:
-                events.append(self._append_token(seq, sampled[seq.request_id]))
+            if num_new > 1 or num_computed % block_size == 0:
+                kv.cache_blocks(seq)
+            if not item.sample:
+                continue
+            token_id = sampled[seq.request_id]
+            output = seq.output_token_ids
+            output.append(token_id)
+            num_output = len(output)
+            num_prompt = len(seq.prompt_token_ids)
+            reason = None
+            if not seq.ignore_eos and token_id in seq.stop_token_ids:
+                reason = FINISH_STOP
+            elif num_output >= seq.max_tokens or num_prompt + num_output >= max_model_len:
+                reason = FINISH_LENGTH
+            if reason is not None:
+                self._release(seq)
+            append_event(SeqEvent(seq.request_id, [token_id], reason, num_prompt, seq.num_cached_tokens, num_output))
         return events
 
     # ------------------------------------------------------------------ scheduling internals
+
+    def _running_order(self) -> list[Sequence]:
+        """Return ``running`` sorted by :meth:`_queue_key`: the last sort when ``running`` holds the same sequences
+        in the same order as then (a running sequence's key never changes), a new one otherwise."""
+        if self._order_of != self.running:  # Sequence compares by identity
+            self._order = sorted(self.running, key=self._queue_key)
+            self._order_of = list(self.running)
+        return self._order
+
+    def _schedule_decode(self, step: _Step, order: list[Sequence]) -> tuple[bool, bool]:
+        """Schedule one token for every running sequence of ``order`` whose prefill is done, in that order:
+        ``_schedule_running(step, order, decode=True)`` with the table lookups inlined (the step's hot loop).
+
+        Returns:
+            ``(prefill_pass_idle, all_decode)``: no sequence of ``order`` is running mid-prefill or the budget ran
+            out (the prefill chunks of running sequences have nothing to schedule); every scheduled chunk is a
+            generated token (the sequence has output), not the last token of a prompt.
+        """
+        tables = self.kv.block_tables
+        block_ids_of = self._block_ids
+        block_size = self.kv.block_size
+        scheduled = step.scheduled  # empty: each sequence of order is visited once, none is scheduled twice
+        running = SequenceStatus.RUNNING
+        budget = step.budget_tokens
+        prefill_left = False
+        all_decode = True
+        for seq in order:
+            if seq.status is not running:  # preempted or finished earlier in this loop
+                continue
+            num_computed = seq.num_computed_tokens
+            output = seq.output_token_ids
+            if len(seq.prompt_token_ids) + len(output) - num_computed != 1:
+                prefill_left = True
+                continue
+            if budget == 0:
+                step.budget_tokens = budget
+                return True, all_decode
+            request_id = seq.request_id
+            table = tables.get(request_id)
+            if not table or len(table) * block_size <= num_computed:  # no room for the token: a new block
+                step.budget_tokens = budget
+                allocated = self._allocate_or_preempt(step, seq, 1)
+                budget = step.budget_tokens  # a preempted victim gave its tokens back
+                if not allocated:
+                    continue
+                table = tables.get(request_id, [])
+            # a table only grows while the request holds it (a new list once it is freed and admitted again)
+            copy = block_ids_of.get(request_id)
+            if copy is None or copy[0] is not table or copy[1] != len(table):
+                copy = block_ids_of[request_id] = (table, len(table), list(table))
+            scheduled[request_id] = ScheduledSeq(seq, 1, copy[2], True)
+            budget -= 1
+            if not output:
+                all_decode = False
+        step.budget_tokens = budget
+        return not prefill_left, all_decode
 
     def _schedule_running(self, step: _Step, order: list[Sequence], decode: bool) -> None:
         for seq in order:
@@ -334,6 +439,7 @@ class Scheduler:
 
     def _preempt(self, step: _Step, victim: Sequence) -> None:
         self.running.remove(victim)
+        self._block_ids.pop(victim.request_id, None)
         item = step.scheduled.pop(victim.request_id, None)
         if item is not None:
             step.budget_tokens += item.num_new_tokens
@@ -356,20 +462,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
 
-    def _append_token(self, seq: Sequence, token_id: int) -> SeqEvent:
-        output = seq.output_token_ids
-        output.append(token_id)
-        num_output = len(output)
-        reason = None
-        if not seq.ignore_eos and token_id in seq.stop_token_ids:
-            reason = FINISH_STOP
-        elif num_output >= seq.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len_tokens:
-            reason = FINISH_LENGTH
-        if reason is not None:
-            self._release(seq)
-        return SeqEvent(seq.request_id, [token_id], reason, len(seq.prompt_token_ids), seq.num_cached_tokens,
-                        num_output)
-
     def _refusal(self, seq: Sequence) -> str | None:
         num_prompt = seq.num_prompt_tokens
         if num_prompt == 0:
@@ -390,6 +482,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._block_ids.pop(seq.request_id, None)
         self.kv.free(seq)
         self._requests.pop(seq.request_id, None)
         self._arrival_idx.pop(seq.request_id, None)

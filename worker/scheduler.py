@@ -270,6 +270,11 @@ class Scheduler:
             self._scheduled_last_step = set(step.scheduled)
             return SchedulerOutput(list(step.scheduled.values()), step.preempted,
                                    all_decode=all_decode and bool(step.scheduled))
+        return self._prefill_pass(step, order)
+
+    def _prefill_pass(self, step: _Step, order: list[Sequence]) -> SchedulerOutput:
+        """After the decode pass over ``order``: the running sequences mid-prefill and the waiting ones, tier by
+        tier (highest first), in the budget left; return the step."""
         prefilling = [s for s in order if s.request_id not in step.scheduled]  # mid-prefill, or preempted
         admitting = True
         for tier_priority in sorted({s.tier_priority for s in order} | {s.tier_priority for s in self.waiting},

@@ -29,15 +29,7 @@ class GeneralScheduler(Scheduler):
         step = _Step(budget_tokens=self.max_num_batched_tokens)
         order = sorted(self.running, key=self._queue_key)
         self._schedule_running(step, order, decode=True)
-        prefilling = [s for s in order if s.request_id not in step.scheduled]
-        admitting = True
-        for tier_priority in sorted({s.tier_priority for s in order} | {s.tier_priority for s in self.waiting},
-                                    reverse=True):
-            self._schedule_running(step, [s for s in prefilling if s.tier_priority == tier_priority], decode=False)
-            if admitting and not step.preempted:
-                admitting = self._admit_waiting(step, tier_priority)
-        self._scheduled_last_step = set(step.scheduled)
-        return SchedulerOutput(list(step.scheduled.values()), step.preempted)
+        return self._prefill_pass(step, order)
 
 
 def _token(history: list[int]) -> int:

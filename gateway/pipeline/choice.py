@@ -279,6 +279,10 @@ class ChoiceRunner:
         except SluiceError as exc:
             if exc.code is not ErrorCode.WORKER_TIMEOUT:
                 raise
+            if choice.completion_tokens == 0:
+                # the loop's timer may fire a fraction of a millisecond before the perf_counter deadline: the
+                # deadline is spent now, whatever the clocks say, so no retry starts with nothing left
+                choice.first_token_deadline_s = time.perf_counter()
             raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"worker {stream.worker.name} sent no {what} within "
                               f"{limit_s:g} s") from None
 

@@ -59,7 +59,8 @@ class Metrics:
     Read at scrape time (:class:`StateCollector`, once :meth:`attach_state` is called):
     ``sluice_pressure_level`` (0 normal, 1 elevated, 2 critical), ``sluice_queue_depth{tier}``,
     ``sluice_queue_oldest_wait_seconds{tier}``, ``sluice_admitted_total{tier}``, ``sluice_rejected_total{tier,reason}``,
-    ``sluice_cancelled_total{tier}`` (left the queue: client gone), ``sluice_drain_rate_tokens_per_second``,
+    ``sluice_cancelled_total{tier}`` (left the queue: client gone), ``sluice_preempted_total{tier}`` (stopped for a
+    higher tier on an upstream engine, to resume), ``sluice_drain_rate_tokens_per_second``,
     ``sluice_breaker_state{worker,backend}`` (0 closed, 1 half-open, 2 open), ``sluice_worker_ready{worker,backend}``,
     ``sluice_worker_info{worker,backend,device,model}``, ``sluice_worker_decode_tokens_per_second{worker,backend}``,
     ``sluice_worker_prefill_tokens_per_second{worker,backend}`` and ``sluice_worker_kv_<key>{worker,backend,...}``
@@ -201,14 +202,17 @@ class StateCollector:
         rejected = CounterMetricFamily("sluice_rejected", "Requests rejected or shed, by reason",
                                        labels=["tier", "reason"])
         cancelled = CounterMetricFamily("sluice_cancelled", "Queued requests whose client left", labels=["tier"])
+        preempted = CounterMetricFamily("sluice_preempted", "Running requests stopped for a higher tier, to resume",
+                                        labels=["tier"])
         for tier, tier_stats in stats.tiers.items():
             depth.add_metric([tier], tier_stats.queue_depth)
             oldest.add_metric([tier], tier_stats.oldest_wait_s)
             admitted.add_metric([tier], tier_stats.admitted)
             cancelled.add_metric([tier], tier_stats.cancelled)
+            preempted.add_metric([tier], tier_stats.preempted)
             for reason, count in tier_stats.rejected.items():
                 rejected.add_metric([tier, reason], count)
-        yield from (depth, oldest, admitted, rejected, cancelled)
+        yield from (depth, oldest, admitted, rejected, cancelled, preempted)
 
     def _worker_metrics(self, workers: list[WorkerStatus]) -> Iterable[Metric]:
         ready = GaugeMetricFamily("sluice_worker_ready", "1 when the worker is connected and ready",

@@ -376,6 +376,10 @@ class AdmissionConfig(_Section):
             ``max_num_seqs``). 1.0 by measurement: on the overload bench (2× the capacity of 2 sim workers) vip
             met its SLO in 99.2% of requests in three runs at 1.0 against 98.3–98.8% at 0.5, where vip prompts
             waited in the gateway while the workers' steps ran short of prefill work.
+        preempt_lower_tiers: a request that finds no room on a pool of upstream engines (``backend = "openai"``:
+            they schedule first come, first served) stops a running request of a lower tier there, which resumes
+            later from where it stopped (``gateway.admission.preemption``). Our own workers preempt by tier
+            themselves and are never preempted by the gateway.
     """
 
     enabled: bool = True
@@ -388,6 +392,7 @@ class AdmissionConfig(_Section):
     rate_window_s: PositiveFloat = 10.0
     max_retry_after_s: PositiveInt = 120
     worker_prefill_queue_s: NonNegativeFloat = 1.0
+    preempt_lower_tiers: bool = True
 
 
 class PressureLevelConfig(_Section):

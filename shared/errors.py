@@ -35,6 +35,7 @@ class ErrorCode(str, enum.Enum):
     WORKER_TIMEOUT = "worker_timeout"
     WORKER_NOT_GENERATING = "worker_not_generating"
     DRAINING = "server_draining"
+    PREEMPTED = "preempted"  # internal: a higher tier took the request's slot; it resumes (gateway.pipeline.choice)
     STORE_UNAVAILABLE = "store_unavailable"
     INTERNAL = "internal_error"
 
@@ -63,6 +64,7 @@ _CODE_TO_STATUS_AND_TYPE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.WORKER_TIMEOUT: (504, "server_error"),
     ErrorCode.WORKER_NOT_GENERATING: (503, "server_error"),
     ErrorCode.DRAINING: (503, "server_error"),
+    ErrorCode.PREEMPTED: (503, "server_error"),
     ErrorCode.STORE_UNAVAILABLE: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
 }

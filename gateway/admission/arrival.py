@@ -53,6 +53,8 @@ class ArrivalChecks:
                 ticket, queue, ErrorCode.NO_WORKER, "No worker is available to serve the request.",
                 NO_WORKER_RETRY_AFTER_S,
             )
+        if ticket.resume_timeout_s is not None:
+            return  # a preempted request resuming was admitted once: no queue bound or pressure turns it away
         if self._enabled and self.pressure.sheds(ticket.tier.name):
             self.reject(
                 ticket,

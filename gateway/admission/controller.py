@@ -85,6 +85,7 @@ from gateway.admission.arrival import ArrivalChecks
 from gateway.admission.capacity import CapacityView, ReservationT
 from gateway.admission.dispatch import Dispatcher
 from gateway.admission.order import FifoOrder, make_dispatch_order
+from gateway.admission.preemption import Preemption
 from gateway.admission.pressure import PressureMonitor
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.admission.rates import ServiceRates
@@ -143,8 +144,11 @@ class AdmissionController(Generic[ReservationT]):
         self.rates = ServiceRates(config.admission, view, clock)  # drain, arrival and service rates (``/status``)
         self._waits = WaitEstimator(config, self._queues, self._in_flight, self.rates, self._order, view,
                                     self.pressure, clock)
+        self.preemption = Preemption(self._enabled and self._admission.preempt_lower_tiers
+                                     and self._admission.order_policy != "fifo", self._in_flight)
         self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self.rates, self._waits,
-                                      self._order, view, clock, lambda now_s: self._shedder.shed_expired(now_s))
+                                      self._order, view, clock, lambda now_s: self._shedder.shed_expired(now_s),
+                                      self.preemption)
         self._arrival = ArrivalChecks(config, self._queues, self._waits, self.pressure, view,
                                       lambda tier: self.queued_elsewhere(tier))
         self._shedder = Shedder(self._queues, self._waits, self._arrival, self.pressure, view,
@@ -200,6 +204,20 @@ class AdmissionController(Generic[ReservationT]):
         ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self.rates.output_fraction
         return ticket
 
+    def make_resume_ticket(self, preempted: Ticket[ReservationT], prompt_token_ids: Sequence[int], max_tokens: int,
+                           timeout_s: float) -> Ticket[ReservationT]:
+        """Make the ticket of a preempted request's resumption (:mod:`gateway.admission.preemption`).
+
+        It keeps the preempted ticket's tier and first arrival (its place in the tier's queue); it asks for the
+        prompt it continues from and the output budget left. Its queue deadline is ``timeout_s`` from when it is
+        queued; it is not rejected early, not bounded by the queue's capacity, not turned away by pressure and not
+        charged to a rate limit (it was admitted once).
+        """
+        ticket = self.make_ticket(preempted.tier.name, prompt_token_ids, max_tokens)
+        ticket.arrival_s = preempted.arrival_s
+        ticket.resume_timeout_s = timeout_s
+        return ticket
+
     def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int],
                         max_tokens: int) -> Ticket[ReservationT]:
         """Make a ticket for a resolved :class:`~gateway.pipeline.classify.Principal` (tier and per-key limits)."""
@@ -238,7 +256,8 @@ class AdmissionController(Generic[ReservationT]):
                 f"Rate limit reached for {limit_name} per minute on this API key. Retry after the indicated time.",
                 decision.retry_after_s,
             )
-        self._record_arrival(ticket)
+        if ticket.resume_timeout_s is None:
+            self._record_arrival(ticket)
         timeout_s = (
             self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
         )
@@ -246,12 +265,21 @@ class AdmissionController(Generic[ReservationT]):
         try:
             self._arrival.check(ticket, queue, self._draining)
             ticket.enqueued_s = self._clock()
-            ticket.deadline_s = ticket.arrival_s + timeout_s  # the deadline holds from arrival (rate limiter included)
+            if ticket.resume_timeout_s is not None:  # a preempted request resuming (gateway.admission.preemption)
+                timeout_s = ticket.resume_timeout_s
+                ticket.deadline_s = ticket.enqueued_s + timeout_s
+                ticket.enqueued_s = ticket.arrival_s  # keeps its place in its tier (the owner sets the first arrival)
+            else:
+                ticket.deadline_s = ticket.arrival_s + timeout_s  # from arrival (rate limiter included)
             ticket.state = TicketState.QUEUED
             ticket._future = future
-            queue.push(ticket)
+            if ticket.resume_timeout_s is None:
+                queue.push(ticket)
+            else:
+                queue.push_in_place(ticket)
             self._dispatcher.dispatch()
-            if ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection:
+            if (ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection
+                    and ticket.resume_timeout_s is None):
                 self._shedder.check_predicted_wait(ticket, queue, timeout_s)
         except SluiceError:
             await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
@@ -348,7 +376,8 @@ class AdmissionController(Generic[ReservationT]):
         dispatch rate; plus the drain rate and the pressure level. For ``/status`` and metrics."""
         now_s = self._clock()
         tiers = {name: tier_stats(queue, now_s, self.predicted_wait_s(name),
-                                  self.rates.tier_dispatch_rate_per_s(queue, now_s))
+                                  self.rates.tier_dispatch_rate_per_s(queue, now_s),
+                                  self.preemption.num_preempted[name])
                  for name, queue in self._queues.items()}
         return AdmissionStats(
             enabled=self._enabled,

@@ -2,6 +2,8 @@
 
 Dispatch is strict: when the request that should go next does not fit on any worker, nobody behind it jumps ahead,
 so freed capacity goes to it first. Only a request held back by a reserved share of a higher tier is stepped over.
+Before it waits, a request may preempt a running one of a lower tier on engines without priorities of their own
+(:mod:`gateway.admission.preemption`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from gateway.admission.capacity import CapacityView
 from gateway.admission.order import DispatchOrder
+from gateway.admission.preemption import Preemption
 from gateway.admission.rates import ServiceRates
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
@@ -27,11 +30,13 @@ class Dispatcher:
         order: the dispatch order; view: the pool's capacity view.
         clock: monotonic seconds.
         before_pass: called with the time at the start of every pass (the controller sheds expired tickets).
+        preemption: stops lower-tier requests for one that finds no room (None = never).
     """
 
     def __init__(self, enabled: bool, queues: dict[str, TierQueue], in_flight: dict[int, Ticket[Any]],
                  rates: ServiceRates, waits: WaitEstimator, order: DispatchOrder, view: CapacityView[Any],
-                 clock: Callable[[], float], before_pass: Callable[[float], None]) -> None:
+                 clock: Callable[[], float], before_pass: Callable[[float], None],
+                 preemption: Preemption | None = None) -> None:
         self._enabled = enabled
         self._queues = queues
         self._in_flight = in_flight
@@ -41,6 +46,7 @@ class Dispatcher:
         self._view = view
         self._clock = clock
         self._before_pass = before_pass
+        self._preemption = preemption
         self._dispatching = False
         self._dispatch_requested = False
 
@@ -63,6 +69,7 @@ class Dispatcher:
         self._before_pass(now_s)
         count_service = self._rates.start_pass(now_s)
         held_back_tiers: set[str] = set()
+        victims_for: dict[int, int] = {}  # ticket id → requests preempted for it in this pass
         while True:
             candidates = [
                 head
@@ -81,6 +88,10 @@ class Dispatcher:
                 best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid
             )
             if reservation is None:
+                victims = victims_for.get(best.ticket_id, 0)
+                if self._preemption is not None and self._preemption.make_room(best, victims):
+                    victims_for[best.ticket_id] = victims + 1
+                    continue
                 self._rates.backlogged = True
                 return  # strict order: nobody jumps ahead of the request that should go next
             self._rates.record_dispatch(now_s, best.expected_work_tokens, count_service)

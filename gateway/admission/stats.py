@@ -21,6 +21,8 @@ class TierStats(msgspec.Struct):
         rejected: requests rejected or shed, by error code.
         predicted_wait_s: predicted wait of a request arriving now, seconds; None when unknown.
         dispatch_rate_per_s: requests of the tier dispatched per second over the rate window.
+        preempted: its running requests stopped for a higher tier's, to resume later
+            (:mod:`gateway.admission.preemption`).
     """
 
     priority: int
@@ -34,6 +36,7 @@ class TierStats(msgspec.Struct):
     cancelled: int
     predicted_wait_s: float | None
     dispatch_rate_per_s: float
+    preempted: int = 0
 
 
 class AdmissionStats(msgspec.Struct, omit_defaults=True):
@@ -61,7 +64,7 @@ class AdmissionStats(msgspec.Struct, omit_defaults=True):
 
 
 def tier_stats(queue: TierQueue, now_s: float, predicted_wait_s: float | None,
-               dispatch_rate_per_s: float) -> TierStats:
+               dispatch_rate_per_s: float, preempted: int = 0) -> TierStats:
     """Return the stats of one tier's queue at monotonic time ``now_s`` (rounded for ``/status``).
 
     Args:
@@ -69,6 +72,7 @@ def tier_stats(queue: TierQueue, now_s: float, predicted_wait_s: float | None,
         now_s: monotonic seconds (the controller's clock).
         predicted_wait_s: the predicted wait of a request arriving now, seconds; None when unknown.
         dispatch_rate_per_s: requests of the tier dispatched per second over the rate window.
+        preempted: its requests preempted so far.
     """
     head = queue.head()
     return TierStats(
@@ -83,6 +87,7 @@ def tier_stats(queue: TierQueue, now_s: float, predicted_wait_s: float | None,
         cancelled=queue.num_cancelled,
         predicted_wait_s=None if predicted_wait_s is None else round(predicted_wait_s, 3),
         dispatch_rate_per_s=round(dispatch_rate_per_s, 3),
+        preempted=preempted,
     )
 
 
@@ -114,6 +119,7 @@ def merge_admission_stats(stats_by_pool: dict[str, AdmissionStats], default_pool
             into.in_flight_kv_blocks += other.in_flight_kv_blocks
             into.admitted += other.admitted
             into.cancelled += other.cancelled
+            into.preempted += other.preempted
             into.oldest_wait_s = max(into.oldest_wait_s, other.oldest_wait_s)
             for reason, count in other.rejected.items():
                 into.rejected[reason] = into.rejected.get(reason, 0) + count

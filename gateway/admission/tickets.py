@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
@@ -44,6 +44,11 @@ class Ticket(Generic[ReservationT]):
         avoid: a worker the capacity view should skip when another can serve (the worker a retry left).
         expected_work_tokens: prompt + the output expected from the measured fraction of ``max_tokens`` used, in
             tokens: what this request adds to the predicted wait of those behind it.
+        resume_timeout_s: set on the ticket of a preempted request's resumption: its queue deadline, seconds from
+            when it is queued (instead of the tier's from arrival), and it is never rejected early.
+        on_preempt: set by the request's owner once it runs where the gateway may preempt it: stops the request
+            and releases this ticket at once, returning True; False when it cannot be preempted now
+            (:mod:`gateway.admission.preemption`).
     """
 
     ticket_id: int
@@ -63,6 +68,8 @@ class Ticket(Generic[ReservationT]):
     state: TicketState = TicketState.NEW
     avoid: object | None = None
     expected_work_tokens: float = 0.0
+    resume_timeout_s: float | None = None
+    on_preempt: Callable[[], bool] | None = field(default=None, repr=False)
     _future: asyncio.Future[ReservationT] | None = field(default=None, repr=False)
 
     @property
@@ -95,6 +102,17 @@ class TierQueue:
 
     def push(self, ticket: Ticket) -> None:
         self.tickets[ticket.ticket_id] = ticket
+        self.queued_work_tokens += ticket.expected_work_tokens
+
+    def push_in_place(self, ticket: Ticket) -> None:
+        """Queue ``ticket`` ahead of every queued ticket enqueued after its ``enqueued_s`` (a preempted request
+        resuming keeps its place; O(queue length), once per preemption)."""
+        later = [t for t in self.tickets.values() if (t.enqueued_s or 0.0) > (ticket.enqueued_s or 0.0)]
+        for other in later:
+            del self.tickets[other.ticket_id]
+        self.tickets[ticket.ticket_id] = ticket
+        for other in later:
+            self.tickets[other.ticket_id] = other
         self.queued_work_tokens += ticket.expected_work_tokens
 
     def remove(self, ticket: Ticket) -> bool:

@@ -19,6 +19,14 @@ rate-limit charge) that avoids the failed worker when another can serve; the ret
 its first token both count against what is left. A first-token timeout leaves nothing, so the client waits at most
 ``first_token_timeout_s`` for a first token whatever the number of attempts. After its first token, a failure ends
 the request: in-band for a stream that has started.
+
+**Preemption** (:mod:`gateway.admission.preemption`): on an upstream engine a choice may be stopped for a higher
+tier's request. It is then queued again in its tier, keeping its place: before its first token, as it was (its
+first-token deadline starts again when it is sent); after it, as the continuation of its answer — the prompt's
+token ids and those of the text streamed so far, sent to the engine's ``/v1/completions``, with the output budget
+left — queued for at most ``gateway.stall_timeout_s``. Its stream goes on where it stopped (same stop matcher,
+same token count); usage counts the prompt once and every output token. Attempt suffix ``-p<k>`` for the k-th
+resumption.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ log = structlog.get_logger("sluice.gateway")
 
 SEED_MODULUS = 2**63
 MAX_ATTEMPTS_PER_CHOICE = 2  # the first try and one retry before the first byte
+MAX_PREEMPTIONS_PER_CHOICE = 2  # then it runs to its end: a low tier is not stopped over and over
 # Failures that may be retried on another worker when no token of the choice exists yet.
 # server_overloaded: an upstream answered 429/503 (gateway.upstream); the retry waits in the tier queue.
 RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING,
@@ -101,6 +110,10 @@ class ChoiceState:
     text_parts: list[str] = field(default_factory=list)
     last_token_at_s: float = 0.0
     logprobs: LogprobLedger = field(default_factory=LogprobLedger)
+    raw_text_parts: list[str] = field(default_factory=list)  # an upstream's text before stop matching (resumption)
+    num_preemptions: int = 0
+    resume_prompt: list[int] | None = None  # prompt + output token ids the current attempt continues from
+    resume_base_tokens: int = 0  # output tokens streamed before the current attempt
 
     @property
     def reservation(self) -> Reservation | None:
@@ -179,6 +192,10 @@ class ChoiceRunner:
                 self._send(choice)
                 await self._stream(choice)
             except SluiceError as exc:
+                if exc.code is ErrorCode.PREEMPTED:
+                    self._end_attempt(choice, failed=False, answered=False)
+                    await self._resume(choice)
+                    continue
                 failed_worker = choice.worker
                 # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
                 dropped = exc.code is ErrorCode.QUEUE_TIMEOUT and choice.completion_tokens == 0
@@ -221,6 +238,47 @@ class ChoiceRunner:
                               f"{self.first_token_timeout_s:g} s") from None
         self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
 
+    def _preempt(self, choice: ChoiceState) -> bool:
+        """Stop the choice's running request for a higher tier's (``Ticket.on_preempt``, called by the dispatcher):
+        close its upstream request, end its stream with ``preempted`` (the pump resumes it: :meth:`_resume`) and
+        release its ticket now. Return False, doing nothing, when it cannot be stopped now: not running, already
+        preempted :data:`MAX_PREEMPTIONS_PER_CHOICE` times, out of output budget, or with output on an engine that
+        cannot continue from token ids."""
+        stream, worker = choice.stream, choice.worker
+        if (stream is None or stream.done or worker is None or not worker.preemptible_by_gateway
+                or choice.finish_reason is not None or choice.num_preemptions >= MAX_PREEMPTIONS_PER_CHOICE
+                or choice.completion_tokens >= self.max_tokens[choice.prompt_index]
+                or (choice.completion_tokens > 0 and not worker.resumes_from_token_ids)):
+            return False
+        choice.num_preemptions += 1
+        worker.abort(stream.request_id)
+        stream._fail(SluiceError(ErrorCode.PREEMPTED, f"preempted on {worker.name} for a higher tier"))
+        self.admission.release(choice.ticket)
+        log.info("preempted", request_id=self.request_id, choice=choice.index, worker=worker.name, tier=self.tier,
+                 completion_tokens=choice.completion_tokens)
+        return True
+
+    async def _resume(self, choice: ChoiceState) -> None:
+        """Queue a preempted choice again, keeping its place in its tier (module docstring).
+
+        Raises:
+            SluiceError: shed while it waits (``queue_timeout``): before the first token the client gets a 503,
+                after it an in-band error.
+        """
+        index = choice.prompt_index
+        if choice.completion_tokens == 0:
+            timeout_s = choice.ticket.tier.queue_timeout_s
+            choice.first_token_deadline_s = None
+        else:
+            output_ids = self.tokenizer.encode_text_sync("".join(choice.raw_text_parts))
+            choice.resume_prompt = [*self.prompts[index], *output_ids]
+            choice.resume_base_tokens = choice.completion_tokens
+            timeout_s = self.stall_timeout_s
+        prompt_ids = choice.resume_prompt if choice.resume_prompt is not None else self.prompts[index]
+        choice.ticket = self.admission.make_resume_ticket(
+            choice.ticket, prompt_ids, self.max_tokens[index] - choice.resume_base_tokens, timeout_s)
+        await self.admission.admit(choice.ticket)
+
     def _send(self, choice: ChoiceState) -> None:
         reservation = choice.reservation
         if reservation is None:  # a bug: choices run only once admitted
@@ -229,11 +287,14 @@ class ChoiceRunner:
         sampling = self.sampling if seed is None else msgspec.structs.replace(
             self.sampling, seed=(seed + choice.index) % SEED_MODULUS)
         suffix = "" if choice.attempt == 0 else f"-r{choice.attempt}"
+        if choice.num_preemptions:
+            suffix += f"-p{choice.num_preemptions}"
+        index = choice.prompt_index
         message = Generate(
             request_id=choice.request_id + suffix,
-            prompt_token_ids=self.prompts[choice.prompt_index],
+            prompt_token_ids=choice.resume_prompt if choice.resume_prompt is not None else self.prompts[index],
             sampling=sampling,
-            max_tokens=self.max_tokens[choice.prompt_index],
+            max_tokens=self.max_tokens[index] - choice.resume_base_tokens,
             stop_token_ids=self.tokenizer.eos_token_ids,
             tier=self.tier,
             cache_key=self.cache_key,
@@ -243,8 +304,13 @@ class ChoiceRunner:
             priority=reservation.priority,
         )
         choice.stream = None
-        prompt = self.upstream_prompts[choice.prompt_index] if self.upstream_prompts else None
+        if choice.resume_prompt is not None:
+            prompt = UpstreamPrompt(prompt=choice.resume_prompt)  # the answer so far continues as a completion
+        else:
+            prompt = self.upstream_prompts[index] if self.upstream_prompts else None
         choice.stream = reservation.worker.start_request(message, reservation, prompt)
+        if reservation.worker.preemptible_by_gateway:
+            choice.ticket.on_preempt = lambda: self._preempt(choice)
         choice.dispatched_at_s = time.perf_counter()
         if choice.first_token_deadline_s is None:
             choice.first_token_deadline_s = choice.dispatched_at_s + self.first_token_timeout_s
@@ -263,7 +329,8 @@ class ChoiceRunner:
             else:
                 self.pool.record_success(reservation)
         if choice.ticket is not None:
-            self.admission.release(choice.ticket, choice.completion_tokens if answered and not failed else None)
+            self.admission.release(choice.ticket, choice.completion_tokens - choice.resume_base_tokens
+                                   if answered and not failed else None)
 
     async def _next_update(self, choice: ChoiceState) -> StreamUpdate:
         stream = choice.stream
@@ -294,7 +361,11 @@ class ChoiceRunner:
                 if choice.completion_tokens == 0:
                     self.pool.record_success(choice.reservation)
                 self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
-                piece = self._detokenize(choice, update) if update.token_ids else update.text
+                if update.token_ids:
+                    piece = self._detokenize(choice, update)
+                else:
+                    piece = update.text
+                    choice.raw_text_parts.append(piece)
                 text = choice.matcher.push(piece)
                 if text:
                     await self._emit(choice, text)
@@ -305,7 +376,8 @@ class ChoiceRunner:
             if update.finished is not None:
                 finished = update.finished
                 choice.cached_tokens = finished.cached_tokens
-                choice.completion_tokens = max(choice.completion_tokens, finished.completion_tokens)
+                choice.completion_tokens = max(choice.completion_tokens,
+                                               choice.resume_base_tokens + finished.completion_tokens)
                 text = choice.matcher.push(choice.detokenizer.flush())
                 if choice.matcher.matched is None:
                     text += choice.matcher.flush()

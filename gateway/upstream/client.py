@@ -61,6 +61,9 @@ CONNECT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 MAX_ERROR_BODY_BYTES = 4096
+# engines whose /v1/completions takes the prompt as token ids (vLLM, SGLang: ``prompt: list[int]``; llama.cpp server:
+# "prompt" may be an array of tokens)
+ENGINES_RESUMING_FROM_TOKEN_IDS = frozenset({"vllm", "sglang", "llama.cpp"})
 
 
 class UpstreamClient(WorkerClient):
@@ -81,6 +84,8 @@ class UpstreamClient(WorkerClient):
         on_capacity: called with (name, Capacity) on every poll.
         breaker: this upstream's circuit breaker.
     """
+
+    preemptible_by_gateway = True  # engines run first come, first served: the gateway preempts by tier for them
 
     def __init__(self, base_url: str, name: str, *, engine: str, model: str, max_concurrency: int = 0,
                  kv_capacity_tokens: int = 0, max_model_len_tokens: int = 8192, metrics_interval_s: float = 0.25,
@@ -116,6 +121,12 @@ class UpstreamClient(WorkerClient):
     @property
     def backend(self) -> str:
         return f"openai:{self.engine}"
+
+    @property
+    def resumes_from_token_ids(self) -> bool:  # type: ignore[override]
+        """The engine continues a prompt given as token ids on ``/v1/completions`` (vLLM, SGLang, llama.cpp), so a
+        preempted answer resumes where it stopped; TGI, ``transformers serve`` and ``generic`` do not say they do."""
+        return self.engine in ENGINES_RESUMING_FROM_TOKEN_IDS
 
     def can_take(self, demand_blocks: int, prefill_tokens: int = 0, prefill_queue_s: float = 0.0,
                  priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0) -> bool:

@@ -54,6 +54,10 @@ log = structlog.get_logger("sluice.gateway")
 class WorkerClient:
     """One multiplexed connection to one worker, reconnected whenever it drops.
 
+    Class attributes ``preemptible_by_gateway`` (the gateway may stop a running request here for a higher tier's:
+    False, our worker preempts by tier itself) and ``resumes_from_token_ids`` (a stopped request's answer so far
+    can be continued here from token ids) are what :mod:`gateway.admission.preemption` asks.
+
     Args:
         address: ``HOST:PORT`` or ``unix:PATH``.
         name: label for logs, metrics and ``/status``.
@@ -64,6 +68,9 @@ class WorkerClient:
         secret: the shared secret this gateway proves and requires of the worker (``shared.auth``); None = accept
             only a worker without one.
     """
+
+    preemptible_by_gateway = False
+    resumes_from_token_ids = False
 
     def __init__(self, address: str, name: str,
                  on_capacity: Callable[[str, Capacity], None] | None = None,

@@ -1,0 +1,105 @@
+"""Preemption by tier (gateway.admission.preemption): which running request is stopped for which, decided against
+the fake capacity view of test_admission (exact decisions); the stop-and-resume of a real stream is in
+tests/gateway/test_upstream_preemption.py."""
+
+from __future__ import annotations
+
+from gateway.admission.tickets import TicketState
+from tests.gateway.test_admission import FakeClock, FakePool, make_controller, prompt, queued_task, settle
+
+
+def preemptible(controller, ticket, stopped: list, can_stop: bool = True) -> None:
+    """Give an admitted ticket the hook its owner (gateway.pipeline.choice) sets: stop = release at once."""
+
+    def on_preempt() -> bool:
+        if not can_stop:
+            return False
+        stopped.append(ticket.tier.name)
+        controller.release(ticket)
+        return True
+
+    ticket.on_preempt = on_preempt
+
+
+async def admit_running(controller, tier: str, stopped: list, can_stop: bool = True):
+    ticket = controller.make_ticket(tier, prompt(8), 8)
+    await controller.admit(ticket)
+    preemptible(controller, ticket, stopped, can_stop)
+    return ticket
+
+
+async def test_a_higher_tier_stops_the_newest_request_of_the_lowest_tier_and_takes_its_slot():
+    pool = FakePool(max_num_seqs=3)
+    controller = make_controller(pool)
+    stopped: list[str] = []
+    old_free = await admit_running(controller, "free", stopped)
+    new_free = await admit_running(controller, "free", stopped)
+    standard = await admit_running(controller, "standard", stopped)
+    vip = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(vip)  # admitted at once: no wait, no early rejection
+    assert stopped == ["free"]
+    assert (new_free.state, old_free.state, standard.state) == (TicketState.RELEASED, TicketState.ADMITTED,
+                                                                TicketState.ADMITTED)
+    assert vip.state is TicketState.ADMITTED and vip.queue_wait_s == 0.0
+    stats = controller.stats().tiers
+    assert (stats["free"].preempted, stats["standard"].preempted, stats["vip"].preempted) == (1, 0, 0)
+
+
+async def test_nobody_is_stopped_for_an_equal_tier_or_when_the_owner_says_no_or_when_off():
+    for tier, can_stop, setting, expect_stop in [("standard", True, True, False), ("vip", False, True, False),
+                                                 ("vip", True, False, False), ("vip", True, True, True)]:
+        pool = FakePool(max_num_seqs=1)
+        controller = make_controller(pool, preempt_lower_tiers=setting, early_rejection=False)
+        stopped: list[str] = []
+        running = await admit_running(controller, "standard", stopped, can_stop)
+        waiting = controller.make_ticket(tier, prompt(8), 8)
+        task = queued_task(controller, waiting)
+        await settle()
+        assert (waiting.state is TicketState.ADMITTED) is expect_stop, (tier, can_stop, setting)
+        assert stopped == (["standard"] if expect_stop else [])
+        if not expect_stop:
+            assert running.state is TicketState.ADMITTED
+            controller.release(running)
+        await task
+        controller.release(waiting)
+
+
+async def test_the_fifo_order_never_preempts():
+    pool = FakePool(max_num_seqs=1)
+    controller = make_controller(pool, order_policy="fifo", early_rejection=False)
+    stopped: list[str] = []
+    running = await admit_running(controller, "free", stopped)
+    vip = controller.make_ticket("vip", prompt(8), 8)
+    task = queued_task(controller, vip)
+    await settle()
+    assert stopped == [] and vip.state is TicketState.QUEUED
+    controller.release(running)
+    await task
+
+
+async def test_a_resumption_keeps_its_place_in_its_tier_and_is_not_rejected_early():
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock)
+    stopped: list[str] = []
+    first = await admit_running(controller, "standard", stopped)
+    clock.advance(1.0)
+    later = controller.make_ticket("standard", prompt(8), 8)
+    later_task = queued_task(controller, later)
+    await settle()
+    vip = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(vip)
+    assert stopped == ["standard"]
+    resumed = controller.make_resume_ticket(first, prompt(12), 4, timeout_s=7.0)
+    resumed_task = queued_task(controller, resumed)
+    await settle()
+    assert resumed.state is TicketState.QUEUED
+    assert resumed.deadline_s == clock.now_s + 7.0  # from when it was queued, not from its first arrival
+    assert resumed.enqueued_s == first.arrival_s
+    controller.release(vip)
+    await settle()
+    assert resumed.state is TicketState.ADMITTED and later.state is TicketState.QUEUED  # ahead of a later arrival
+    controller.release(resumed)
+    await resumed_task
+    await later_task
+    controller.release(later)

@@ -83,6 +83,8 @@ class UpstreamClient(WorkerClient):
         api_key: bearer token for the upstream ("" = none).
         on_capacity: called with (name, Capacity) on every poll.
         breaker: this upstream's circuit breaker.
+        top_tier_priority: the highest tier priority; requests of lower tiers are sent one prompt at a time
+            (:meth:`can_take`).
     """
 
     preemptible_by_gateway = True  # engines run first come, first served: the gateway preempts by tier for them
@@ -90,8 +92,9 @@ class UpstreamClient(WorkerClient):
     def __init__(self, base_url: str, name: str, *, engine: str, model: str, max_concurrency: int = 0,
                  kv_capacity_tokens: int = 0, max_model_len_tokens: int = 8192, metrics_interval_s: float = 0.25,
                  api_key: str = "", on_capacity: Callable[[str, Capacity], None] | None = None,
-                 breaker: CircuitBreaker | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, top_tier_priority: int = 0) -> None:
         super().__init__(base_url.rstrip("/"), name, on_capacity, breaker)
+        self.top_tier_priority = top_tier_priority
         self.engine = engine
         self.model = model
         self.max_concurrency = max_concurrency
@@ -130,8 +133,13 @@ class UpstreamClient(WorkerClient):
 
     def can_take(self, demand_blocks: int, prefill_tokens: int = 0, prefill_queue_s: float = 0.0,
                  priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0) -> bool:
-        """See :meth:`WorkerClient.can_take`; also no while the upstream's last 429/503 ``Retry-After`` runs."""
+        """See :meth:`WorkerClient.can_take`; also no while the upstream's last 429/503 ``Retry-After`` runs, and,
+        with a prefill limit (``prefill_queue_s`` > 0), no for a tier below ``top_tier_priority`` while any prompt
+        sent here has not started: the engine prefills first come, first served, so each prompt queued there is
+        prefill time a top-tier request arriving next must wait through (one lower-tier prompt at most)."""
         if time.monotonic() < self._saturated_until_s:
+            return False
+        if prefill_queue_s > 0 and priority < self.top_tier_priority and self.prefill.num_pending > 0:
             return False
         return super().can_take(demand_blocks, prefill_tokens, prefill_queue_s, priority,
                                 fallback_prefill_tokens_per_s)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from gateway.upstream.client import UpstreamClient
 from gateway.workers.breaker import CircuitBreaker
-from shared.config import Config, ConfigError, PoolConfig
+from shared.config import Config, ConfigError, PoolConfig, effective_tiers
 from shared.protocol import Capacity
 
 
@@ -32,4 +32,5 @@ def make_upstream_client(pool: PoolConfig, url: str, name: str, config: Config,
                           max_concurrency=pool.max_concurrency, kv_capacity_tokens=pool.kv_capacity_tokens,
                           max_model_len_tokens=config.model.max_model_len_tokens,
                           metrics_interval_s=pool.metrics_interval_s, api_key=upstream_api_key(pool),
-                          on_capacity=on_capacity, breaker=breaker)
+                          on_capacity=on_capacity, breaker=breaker,
+                          top_tier_priority=max(tier.priority for tier in effective_tiers(config)))

@@ -18,6 +18,7 @@ from gateway.upstream.client import UpstreamClient
 from gateway.upstream.request_body import UpstreamPrompt
 from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.pool import WorkerPool
+from gateway.workers.reservation import Reservation
 from shared.config import Config, ConfigError, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Generate, SamplingParams
@@ -130,5 +131,15 @@ async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_ou
         assert pool.try_reserve(10, "standard", list(range(40))) is None  # out until its Retry-After passes
         assert client.breaker.snapshot()["consecutive_failures"] == 0  # overload is not ill health
         await wait_until(lambda: client.can_take(10), "the Retry-After to pass")
+
+        # the engine prefills first come, first served: below the top tier, one prompt not started at a time
+        client.top_tier_priority = 3
+        pending = Reservation(1, client, 1, prefill_tokens=40, priority=3)
+        client.prefill.hold(pending)
+        assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
+        assert client.can_take(10, 40, prefill_queue_s=1.0, priority=3)
+        assert client.can_take(10, 40, prefill_queue_s=0.0, priority=2)  # no prefill limit configured
+        client.prefill.started(pending)
+        assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
     finally:
         await client.close()

@@ -12,10 +12,13 @@ stopped once its tier's turn comes again (:mod:`gateway.pipeline.choice`): befor
 queued again; after it, the engine is sent the prompt and the answer so far as token ids and continues it, so the
 client sees a pause in its stream, not an error.
 
-Victim order: the lowest tier first, then the most recently admitted (the least work lost, and the oldest requests
-of a tier keep running). Whether a request may be stopped is its owner's call (``Ticket.on_preempt`` returns False
-for a request on one of our workers, already finishing, already preempted ``MAX_PREEMPTIONS_PER_CHOICE`` times, or
-with output on an engine that cannot continue from token ids).
+Victim order: the lowest tier first; then a request that is decoding before one whose prompt is still being
+prefilled (an engine notices a closed connection when it next emits a token of that request: a decoding victim's
+slot is free one decode step later, a prefilling one's only after its prompt, which on a CPU engine can take a
+second, all of it added to the preempting request's TTFT); then the most recently admitted (the least work lost,
+and the oldest requests of a tier keep running). Whether a request may be stopped is its owner's call
+(``Ticket.on_preempt`` returns False for a request on one of our workers, already finishing, already preempted
+``MAX_PREEMPTIONS_PER_CHOICE`` times, or with output on an engine that cannot continue from token ids).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Preemption:
         candidates = sorted(
             (t for t in self._in_flight.values()
              if t.tier.priority < priority and t.on_preempt is not None and t.state is TicketState.ADMITTED),
-            key=lambda t: (t.tier.priority, -(t.admitted_s or 0.0), -t.ticket_id),
+            key=lambda t: (t.tier.priority, not t.decoding, -(t.admitted_s or 0.0), -t.ticket_id),
         )
         for victim in candidates:
             if victim.on_preempt():

@@ -400,6 +400,7 @@ class ChoiceRunner:
 
     def _observe_tokens(self, choice: ChoiceState, num_tokens: int, worker_ttft_ms: float | None) -> None:
         now_s = time.perf_counter()
+        choice.ticket.decoding = True
         if choice.completion_tokens == 0:
             self._on_first_token(now_s, worker_ttft_ms)
         else:

@@ -103,3 +103,15 @@ async def test_a_resumption_keeps_its_place_in_its_tier_and_is_not_rejected_earl
     await resumed_task
     await later_task
     controller.release(later)
+
+
+async def test_a_decoding_victim_goes_before_a_newer_one_still_prefilling():
+    """An engine frees a decoding victim's slot at its next token, a prefilling one's only after its prompt."""
+    pool = FakePool(max_num_seqs=2)
+    controller = make_controller(pool)
+    stopped: list[str] = []
+    decoding = await admit_running(controller, "free", stopped)
+    decoding.decoding = True
+    prefilling = await admit_running(controller, "free", stopped)
+    await controller.admit(controller.make_ticket("vip", prompt(8), 8))
+    assert (decoding.state, prefilling.state) == (TicketState.RELEASED, TicketState.ADMITTED)

@@ -49,10 +49,12 @@ class ContentPart(_Schema, kw_only=True):
 
 
 class ChatMessage(_Schema, kw_only=True):
-    """One chat message. ``content`` may be null only for an assistant message."""
+    """One chat message. ``content`` may be null only for an assistant message; a ``tool`` message names the call
+    it answers (``tool_call_id``, as OpenAI requires)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Schema, kw_only=True):
@@ -193,8 +195,12 @@ def message_text(message: ChatMessage, index: int) -> str:
     """Return the text of a chat message; content parts are joined with newlines (as vLLM does).
 
     Raises:
-        SluiceError: missing content on a non-assistant message, or a non-text content part.
+        SluiceError: missing content on a non-assistant message, a tool message without ``tool_call_id``, or a
+            non-text content part.
     """
+    if message.role == "tool" and not message.tool_call_id:
+        raise SluiceError(ErrorCode.MISSING_FIELD, f"messages[{index}].tool_call_id is required for role 'tool'",
+                          param=f"messages[{index}].tool_call_id")
     content = message.content
     if content is None:
         if message.role == "assistant":

@@ -42,6 +42,8 @@ def test_bc22_non_object_body_is_400(raw):
     (b'{"model": "m", "messages": [{"role": "user"}]}', "messages[0].content"),
     (b'{"model": "m", "messages": [{"role": "user", "content": 123}]}', "messages[0].content"),
     (b'{"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}',
+     "messages[1].tool_call_id"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}', "temperature"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}', "top_p"),

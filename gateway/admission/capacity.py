@@ -63,6 +63,10 @@ class CapacityView(Protocol[ReservationT]):
         """Return the sequence slots (``max_num_seqs``) summed over the workers that can take requests now.
         0 for a view that does not count slots (then no reserved slot shares apply)."""
 
+    def free_sequence_slots(self) -> int:
+        """Return the sequence slots of the workers that can take requests now that this gateway has not
+        reserved (preemption makes room only when there are none)."""
+
     def starting_sequence_slots(self) -> int:
         """Return the sequence slots of workers still starting (an elastic pool's cold starts; else 0)."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from gateway.admission.capacity import CapacityView
 from gateway.admission.tickets import Ticket, TicketState
 
 MAX_VICTIMS_PER_DISPATCH = 4  # most requests stopped to make room for one: beyond, the room is not slots
@@ -37,11 +38,14 @@ class Preemption:
     Args:
         enabled: ``admission.preempt_lower_tiers`` with admission on.
         in_flight: admitted tickets by id (shared with the controller).
+        view: the pool's capacity view: nothing is stopped while it has a free sequence slot (what holds the
+            ticket back is then not a slot: its prefill backlog, its KV demand, a worker it must avoid).
     """
 
-    def __init__(self, enabled: bool, in_flight: dict[int, Ticket[Any]]) -> None:
+    def __init__(self, enabled: bool, in_flight: dict[int, Ticket[Any]], view: CapacityView[Any]) -> None:
         self.enabled = enabled
         self._in_flight = in_flight
+        self._view = view
         self.num_preempted: Counter[str] = Counter()  # victims by tier name (``/status``, metrics)
 
     def make_room(self, ticket: Ticket[Any], victims_so_far: int) -> bool:
@@ -54,7 +58,7 @@ class Preemption:
                 :data:`MAX_VICTIMS_PER_DISPATCH` nothing more is stopped (what holds it back is not slots: its KV
                 demand, a worker it must avoid).
         """
-        if not self.enabled or victims_so_far >= MAX_VICTIMS_PER_DISPATCH:
+        if not self.enabled or victims_so_far >= MAX_VICTIMS_PER_DISPATCH or self._view.free_sequence_slots() > 0:
             return False
         priority = ticket.tier.priority
         candidates = sorted(

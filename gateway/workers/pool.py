@@ -276,6 +276,11 @@ class WorkerPool:
         """Return ``max_num_seqs`` summed over ready workers whose breaker is not open."""
         return sum(c.hello.max_num_seqs for c in self._serving_clients() if c.hello is not None)
 
+    def free_sequence_slots(self) -> int:
+        """Return the sequence slots of ready workers whose breaker is not open that no reservation holds."""
+        return sum(max(0, c.hello.max_num_seqs - c.num_reserved) for c in self._serving_clients()
+                   if c.hello is not None)
+
     def starting_sequence_slots(self) -> int:
         """Return the sequence slots of workers still starting: 0 (a fixed pool has no cold starts)."""
         return 0

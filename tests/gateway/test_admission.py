@@ -102,6 +102,9 @@ class FakePool:
     def total_sequence_slots(self) -> int:
         return 0
 
+    def free_sequence_slots(self) -> int:
+        return sum(self.max_num_seqs - running for running in self.running)
+
     def starting_sequence_slots(self) -> int:
         return 0
 

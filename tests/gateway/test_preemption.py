@@ -115,3 +115,17 @@ async def test_a_decoding_victim_goes_before_a_newer_one_still_prefilling():
     prefilling = await admit_running(controller, "free", stopped)
     await controller.admit(controller.make_ticket("vip", prompt(8), 8))
     assert (decoding.state, prefilling.state) == (TicketState.RELEASED, TicketState.ADMITTED)
+
+
+async def test_nothing_is_stopped_while_a_slot_is_free():
+    """What holds the request back is then not a slot (here its KV demand): stopping a request would not help."""
+    pool = FakePool(max_num_seqs=4, blocks_per_worker=3)
+    controller = make_controller(pool, early_rejection=False)
+    stopped: list[str] = []
+    running = await admit_running(controller, "free", stopped)  # 1 of 3 blocks, 1 of 4 slots
+    vip = controller.make_ticket("vip", prompt(40), 8)  # 3 blocks
+    task = queued_task(controller, vip)
+    await settle()
+    assert stopped == [] and vip.state is TicketState.QUEUED
+    controller.release(running)
+    await task

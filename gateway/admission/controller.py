@@ -268,7 +268,6 @@ class AdmissionController(Generic[ReservationT]):
             if ticket.resume_timeout_s is not None:  # a preempted request resuming (gateway.admission.preemption)
                 timeout_s = ticket.resume_timeout_s
                 ticket.deadline_s = ticket.enqueued_s + timeout_s
-                ticket.enqueued_s = ticket.arrival_s  # keeps its place in its tier (the owner sets the first arrival)
             else:
                 ticket.deadline_s = ticket.arrival_s + timeout_s  # from arrival (rate limiter included)
             ticket.state = TicketState.QUEUED
@@ -276,7 +275,7 @@ class AdmissionController(Generic[ReservationT]):
             if ticket.resume_timeout_s is None:
                 queue.push(ticket)
             else:
-                queue.push_in_place(ticket)
+                queue.push_in_place(ticket, ticket.arrival_s)  # its place in its tier: its first arrival
             self._dispatcher.dispatch()
             if (ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection
                     and ticket.resume_timeout_s is None):

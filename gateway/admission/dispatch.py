@@ -56,20 +56,20 @@ class Dispatcher:
             self._dispatch_requested = True
             return
         self._dispatching = True
+        victims_for: dict[int, int] = {}  # ticket id → requests preempted for it in this call (its passes too)
         try:
             self._dispatch_requested = True
             while self._dispatch_requested:
                 self._dispatch_requested = False
-                self._dispatch_once()
+                self._dispatch_once(victims_for)
         finally:
             self._dispatching = False
 
-    def _dispatch_once(self) -> None:
+    def _dispatch_once(self, victims_for: dict[int, int]) -> None:
         now_s = self._clock()
         self._before_pass(now_s)
         count_service = self._rates.start_pass(now_s)
         held_back_tiers: set[str] = set()
-        victims_for: dict[int, int] = {}  # ticket id → requests preempted for it in this pass
         while True:
             candidates = [
                 head

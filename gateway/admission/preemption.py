@@ -54,7 +54,7 @@ class Preemption:
 
         Args:
             ticket: the request that should go next and finds no room.
-            victims_so_far: victims already stopped for it in this dispatch pass; at
+            victims_so_far: victims already stopped for it in this dispatch call; at
                 :data:`MAX_VICTIMS_PER_DISPATCH` nothing more is stopped (what holds it back is not slots: its KV
                 demand, a worker it must avoid).
         """

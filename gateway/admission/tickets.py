@@ -106,10 +106,11 @@ class TierQueue:
         self.tickets[ticket.ticket_id] = ticket
         self.queued_work_tokens += ticket.expected_work_tokens
 
-    def push_in_place(self, ticket: Ticket) -> None:
-        """Queue ``ticket`` ahead of every queued ticket enqueued after its ``enqueued_s`` (a preempted request
-        resuming keeps its place; O(queue length), once per preemption)."""
-        later = [t for t in self.tickets.values() if (t.enqueued_s or 0.0) > (ticket.enqueued_s or 0.0)]
+    def push_in_place(self, ticket: Ticket, since_s: float) -> None:
+        """Queue ``ticket`` ahead of every queued ticket enqueued after ``since_s`` (a preempted request resuming
+        keeps the place of its first arrival; its own ``enqueued_s`` stays the time it queued again, which waits
+        and pressure read; O(queue length), once per preemption)."""
+        later = [t for t in self.tickets.values() if (t.enqueued_s or 0.0) > since_s]
         for other in later:
             del self.tickets[other.ticket_id]
         self.tickets[ticket.ticket_id] = ticket

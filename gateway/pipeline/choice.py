@@ -47,6 +47,7 @@ from gateway.pipeline.logprobs import LogprobLedger, TokenLogprob
 from gateway.pipeline.stop import StopStringMatcher
 from gateway.pipeline.tokenize import Tokenizer
 from gateway.upstream.request_body import UpstreamPrompt
+from gateway.workers.breaker import BreakerState
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
@@ -243,9 +244,11 @@ class ChoiceRunner:
         close its upstream request, end its stream with ``preempted`` (the pump resumes it: :meth:`_resume`) and
         release its ticket now. Return False, doing nothing, when it cannot be stopped now: not running, already
         preempted :data:`MAX_PREEMPTIONS_PER_CHOICE` times, out of output budget, or with output on an engine that
-        cannot continue from token ids."""
+        cannot continue from token ids, output not yet read (the counts above would be stale), or a worker the
+        gateway does not use now (stopping it frees no usable slot)."""
         stream, worker = choice.stream, choice.worker
-        if (stream is None or stream.done or worker is None or not worker.preemptible_by_gateway
+        if (stream is None or stream.done or stream.has_unread or worker is None or not worker.preemptible_by_gateway
+                or not worker.ready or worker.breaker.state is BreakerState.OPEN
                 or choice.finish_reason is not None or choice.num_preemptions >= MAX_PREEMPTIONS_PER_CHOICE
                 or choice.completion_tokens >= self.max_tokens[choice.prompt_index]
                 or (choice.completion_tokens > 0 and not worker.resumes_from_token_ids)):
@@ -375,7 +378,8 @@ class ChoiceRunner:
                     return
             if update.finished is not None:
                 finished = update.finished
-                choice.cached_tokens = finished.cached_tokens
+                choice.cached_tokens = min(finished.cached_tokens, choice.prompt_tokens)  # a resumption's prompt
+                # holds the answer so far, which the engine may have cached too
                 choice.completion_tokens = max(choice.completion_tokens,
                                                choice.resume_base_tokens + finished.completion_tokens)
                 text = choice.matcher.push(choice.detokenizer.flush())

@@ -95,6 +95,7 @@ class UpstreamClient(WorkerClient):
                  breaker: CircuitBreaker | None = None, top_tier_priority: int = 0) -> None:
         super().__init__(base_url.rstrip("/"), name, on_capacity, breaker)
         self.top_tier_priority = top_tier_priority
+        self._sent_not_started: set[int] = set()  # reservation ids of prompts sent whose first text has not come
         self.engine = engine
         self.model = model
         self.max_concurrency = max_concurrency
@@ -136,13 +137,19 @@ class UpstreamClient(WorkerClient):
         """See :meth:`WorkerClient.can_take`; also no while the upstream's last 429/503 ``Retry-After`` runs, and,
         with a prefill limit (``prefill_queue_s`` > 0), no for a tier below ``top_tier_priority`` while any prompt
         sent here has not started: the engine prefills first come, first served, so each prompt queued there is
-        prefill time a top-tier request arriving next must wait through (one lower-tier prompt at most)."""
+        prefill time a top-tier request arriving next must wait through (one lower-tier prompt at most). Only
+        prompts sent count: the choices of one request are all reserved before the first is sent."""
         if time.monotonic() < self._saturated_until_s:
             return False
-        if prefill_queue_s > 0 and priority < self.top_tier_priority and self.prefill.num_pending > 0:
+        if prefill_queue_s > 0 and priority < self.top_tier_priority and self._sent_not_started:
             return False
         return super().can_take(demand_blocks, prefill_tokens, prefill_queue_s, priority,
                                 fallback_prefill_tokens_per_s)
+
+    def prefill_started(self, reservation: "Reservation") -> None:
+        """See :meth:`WorkerClient.prefill_started`; the prompt no longer holds back lower tiers (:meth:`can_take`)."""
+        self._sent_not_started.discard(reservation.reservation_id)
+        super().prefill_started(reservation)
 
     def not_ready_reason(self) -> str | None:
         """Return why this upstream takes no request now (``/readyz``), or None when it can."""
@@ -207,6 +214,8 @@ class UpstreamClient(WorkerClient):
         self._streams[message.request_id] = stream
         if prompt is None:
             prompt = UpstreamPrompt(prompt=message.prompt_token_ids)
+        if reservation is not None and reservation.prefill_pending:
+            self._sent_not_started.add(reservation.reservation_id)
         self._own_prompt_tokens += len(message.prompt_token_ids)
         self.num_connections += 1  # one HTTP connection per request (``/status`` ``connections``)
         self._requests[message.request_id] = asyncio.create_task(

@@ -33,4 +33,5 @@ def make_upstream_client(pool: PoolConfig, url: str, name: str, config: Config,
                           max_model_len_tokens=config.model.max_model_len_tokens,
                           metrics_interval_s=pool.metrics_interval_s, api_key=upstream_api_key(pool),
                           on_capacity=on_capacity, breaker=breaker,
-                          top_tier_priority=max(tier.priority for tier in effective_tiers(config)))
+                          top_tier_priority=(max(tier.priority for tier in effective_tiers(config))
+                                             if config.admission.enabled else 0))

@@ -80,6 +80,11 @@ class RequestStream:
         self.done = False  # the worker will send nothing more (finished, failed or aborted)
         self.reservation: Reservation | None = None  # set by start_request: its prefill backlog entry
 
+    @property
+    def has_unread(self) -> bool:
+        """Replies arrived that :meth:`next_update` has not returned yet."""
+        return self._has_update
+
     def _started(self) -> None:
         if self.reservation is not None:
             self.worker.prefill_started(self.reservation)

@@ -95,7 +95,7 @@ async def test_a_resumption_keeps_its_place_in_its_tier_and_is_not_rejected_earl
     await settle()
     assert resumed.state is TicketState.QUEUED
     assert resumed.deadline_s == clock.now_s + 7.0  # from when it was queued, not from its first arrival
-    assert resumed.enqueued_s == first.arrival_s
+    assert resumed.enqueued_s == clock.now_s  # its wait counts from now (pressure, aging); its place is older
     controller.release(vip)
     await settle()
     assert resumed.state is TicketState.ADMITTED and later.state is TicketState.QUEUED  # ahead of a later arrival

@@ -132,14 +132,17 @@ async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_ou
         assert client.breaker.snapshot()["consecutive_failures"] == 0  # overload is not ill health
         await wait_until(lambda: client.can_take(10), "the Retry-After to pass")
 
-        # the engine prefills first come, first served: below the top tier, one prompt not started at a time
+        # the engine prefills first come, first served: below the top tier, one prompt sent and not started at
+        # a time (reserved but unsent prompts do not count: a request's choices are all reserved first)
         client.top_tier_priority = 3
         pending = Reservation(1, client, 1, prefill_tokens=40, priority=3)
         client.prefill.hold(pending)
+        assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
+        client._sent_not_started.add(pending.reservation_id)  # what start_request does when it sends the prompt
         assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=3)
         assert client.can_take(10, 40, prefill_queue_s=0.0, priority=2)  # no prefill limit configured
-        client.prefill.started(pending)
+        client.prefill_started(pending)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
     finally:
         await client.close()

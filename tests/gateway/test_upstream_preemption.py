@@ -113,7 +113,7 @@ def _json(value) -> str:
     return json.dumps(value)
 
 
-def gateway_config(engine: WordEngine) -> str:
+def gateway_config(engine: WordEngine, max_concurrency: int = 1) -> str:
     tiers = "".join(f"""
 [[tiers]]
 name = "{name}"
@@ -141,7 +141,7 @@ backend = "openai"
 engine = "vllm"
 upstreams = ["{engine.base_url}"]
 tokenizer = "{default_model_path()}"
-max_concurrency = 1
+max_concurrency = {max_concurrency}
 metrics_interval_s = 0.1
 {tiers}"""
 
@@ -205,3 +205,16 @@ async def test_a_vip_request_preempts_a_running_standard_stream_which_resumes_wh
     assert words_before >= 3 and resumed["body"]["max_tokens"] == MAX_TOKENS - words_before
     assert status["admission"]["tiers"]["standard"]["preempted"] == 1
     assert status["admission"]["tiers"]["vip"]["preempted"] == 0
+
+
+async def test_the_choices_of_one_lower_tier_request_all_run_though_lower_tiers_send_one_prompt_at_a_time(
+        engine, tmp_path):
+    """All choices of a request are reserved before the first is sent: only prompts sent hold back the next."""
+    messages = [{"role": "user", "content": "Say some words."}]
+    with sluice_serve(tmp_path, gateway_config(engine, max_concurrency=2), min_ready_workers=0) as server:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2,
+                                                      extra_headers={"x-sluice-tier": "standard"})
+        await client.close()
+    assert [c.message.content for c in answer.choices] == ["w0 w1 w2 w3 "] * 2
+    assert answer.usage.completion_tokens == 8

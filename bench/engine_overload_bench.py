@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-timeout-s", type=float, default=60.0)
     parser.add_argument("--start-s", type=float, default=0.0, help="trace time the window starts at")
     parser.add_argument("--output", default=str(RESULT_PATH))
+    parser.add_argument("--gateway-dir", default="", help="keep the gateway's config and log in this folder")
     args = parser.parse_args(argv)
 
     builder = PromptBuilder(load_tokenizer())
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         slo_ttft_s = slos_for(ttfts_s, args.slo_vip_s, args.slo_other_s)
         print(f"engine's unloaded TTFT {min(ttfts_s):.2f}-{max(ttfts_s):.2f} s: TTFT SLOs {slo_ttft_s}")
         gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, args.multiple),
+                                workdir=Path(args.gateway_dir) if args.gateway_dir else None,
                                 min_ready_workers=1).start()
         try:
             capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,

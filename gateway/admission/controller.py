@@ -256,7 +256,8 @@ class AdmissionController(Generic[ReservationT]):
                 f"Rate limit reached for {limit_name} per minute on this API key. Retry after the indicated time.",
                 decision.retry_after_s,
             )
-        if ticket.resume_timeout_s is None:
+        resuming = ticket.resume_timeout_s is not None  # a preempted request (gateway.admission.preemption)
+        if not resuming:
             self._record_arrival(ticket)
         timeout_s = (
             self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
@@ -265,20 +266,20 @@ class AdmissionController(Generic[ReservationT]):
         try:
             self._arrival.check(ticket, queue, self._draining)
             ticket.enqueued_s = self._clock()
-            if ticket.resume_timeout_s is not None:  # a preempted request resuming (gateway.admission.preemption)
+            if resuming:
                 timeout_s = ticket.resume_timeout_s
                 ticket.deadline_s = ticket.enqueued_s + timeout_s
             else:
                 ticket.deadline_s = ticket.arrival_s + timeout_s  # from arrival (rate limiter included)
             ticket.state = TicketState.QUEUED
             ticket._future = future
-            if ticket.resume_timeout_s is None:
-                queue.push(ticket)
-            else:
+            if resuming:
                 queue.push_in_place(ticket, ticket.arrival_s)  # its place in its tier: its first arrival
+            else:
+                queue.push(ticket)
             self._dispatcher.dispatch()
             if (ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection
-                    and ticket.resume_timeout_s is None):
+                    and not resuming):
                 self._shedder.check_predicted_wait(ticket, queue, timeout_s)
         except SluiceError:
             await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)

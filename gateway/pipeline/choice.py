@@ -111,7 +111,6 @@ class ChoiceState:
     text_parts: list[str] = field(default_factory=list)
     last_token_at_s: float = 0.0
     logprobs: LogprobLedger = field(default_factory=LogprobLedger)
-    raw_text_parts: list[str] = field(default_factory=list)  # an upstream's text before stop matching (resumption)
     num_preemptions: int = 0
     resume_prompt: list[int] | None = None  # prompt + output token ids the current attempt continues from
     resume_base_tokens: int = 0  # output tokens streamed before the current attempt
@@ -273,14 +272,18 @@ class ChoiceRunner:
             timeout_s = choice.ticket.tier.queue_timeout_s
             choice.first_token_deadline_s = None
         else:
-            output_ids = self.tokenizer.encode_text_sync("".join(choice.raw_text_parts))
+            # the answer so far: what was released to the client and what the stop matcher still holds back
+            output_ids = self.tokenizer.encode_text_sync("".join(choice.text_parts) + choice.matcher.held)
             choice.resume_prompt = [*self.prompts[index], *output_ids]
             choice.resume_base_tokens = choice.completion_tokens
             timeout_s = self.stall_timeout_s
-        prompt_ids = choice.resume_prompt if choice.resume_prompt is not None else self.prompts[index]
         choice.ticket = self.admission.make_resume_ticket(
-            choice.ticket, prompt_ids, self.max_tokens[index] - choice.resume_base_tokens, timeout_s)
+            choice.ticket, self._prompt_ids(choice), self.max_tokens[index] - choice.resume_base_tokens, timeout_s)
         await self.admission.admit(choice.ticket)
+
+    def _prompt_ids(self, choice: ChoiceState) -> list[int]:
+        """The prompt token ids of the choice's current attempt: its prompt, or prompt + output when it resumes."""
+        return choice.resume_prompt if choice.resume_prompt is not None else self.prompts[choice.prompt_index]
 
     def _send(self, choice: ChoiceState) -> None:
         reservation = choice.reservation
@@ -295,7 +298,7 @@ class ChoiceRunner:
         index = choice.prompt_index
         message = Generate(
             request_id=choice.request_id + suffix,
-            prompt_token_ids=choice.resume_prompt if choice.resume_prompt is not None else self.prompts[index],
+            prompt_token_ids=self._prompt_ids(choice),
             sampling=sampling,
             max_tokens=self.max_tokens[index] - choice.resume_base_tokens,
             stop_token_ids=self.tokenizer.eos_token_ids,
@@ -364,11 +367,7 @@ class ChoiceRunner:
                 if choice.completion_tokens == 0:
                     self.pool.record_success(choice.reservation)
                 self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
-                if update.token_ids:
-                    piece = self._detokenize(choice, update)
-                else:
-                    piece = update.text
-                    choice.raw_text_parts.append(piece)
+                piece = self._detokenize(choice, update) if update.token_ids else update.text
                 text = choice.matcher.push(piece)
                 if text:
                     await self._emit(choice, text)

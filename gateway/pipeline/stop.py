@@ -45,6 +45,11 @@ class StopStringMatcher:
         self._held = buffer[len(buffer) - hold_chars:] if hold_chars else ""
         return buffer[:len(buffer) - hold_chars]
 
+    @property
+    def held(self) -> str:
+        """The text pushed and not released yet (a suffix that may still start a stop string)."""
+        return self._held
+
     def flush(self) -> str:
         """Release what is held back when the generation ends without a match."""
         if self.matched is not None:

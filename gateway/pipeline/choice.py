@@ -5,10 +5,11 @@ Per choice: reservation on a worker → ``Generate`` → worker token ids → :c
 the choice on its worker at once (finish_reason ``stop``). Attempt ``a`` of choice ``index`` is sent as
 ``Generate(request_id = "<rid>-<index>" for a = 0, "<rid>-<index>-r<a>" after, seed + index)``.
 
-The request's :class:`~gateway.pipeline.generate.Generation` owns the choices (their first admission, their tasks,
-the event queue, usage); a :class:`ChoiceRunner` runs each admitted choice on a task of its own and talks back
-through two callbacks: ``put_event`` (into the request's bounded event queue) and ``on_first_token`` (the request's
-TTFT).
+The request's :class:`~gateway.pipeline.generate.Generation` owns the choices (their first admission, the order
+their events are read in, usage); a :class:`ChoiceRunner` advances an admitted choice only when its next event is
+asked for (:meth:`ChoiceRunner.next_event`), in the asking task: a request with one choice runs in its HTTP
+handler's task, with no task or queue of its own between the worker's reply and the client's chunk. It talks back
+through ``on_first_token`` (the request's TTFT).
 
 **Worker health** (DESIGN.md, step 6): each choice has one first-token deadline, ``gateway.first_token_timeout_s``
 from the moment its first ``Generate`` is sent, shared by all its attempts, and an inter-token stall deadline
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -86,10 +88,6 @@ class FinishEvent:
     finish_reason: str  # "stop" | "length"
 
 
-# What a choice's task puts into its request's event queue: text, its end, or the failure that ends it.
-ChoiceEvent = TextEvent | FinishEvent | SluiceError
-
-
 @dataclass
 class ChoiceState:
     """Bookkeeping of one choice."""
@@ -114,6 +112,7 @@ class ChoiceState:
     num_preemptions: int = 0
     resume_prompt: list[int] | None = None  # prompt + output token ids the current attempt continues from
     resume_base_tokens: int = 0  # output tokens streamed before the current attempt
+    pending: deque[TextEvent | FinishEvent] = field(default_factory=deque)  # made, not yet read by next_event
 
     @property
     def reservation(self) -> Reservation | None:
@@ -126,7 +125,7 @@ class ChoiceState:
 
 
 class ChoiceRunner:
-    """Run the admitted choices of one request on their workers; put their text, ends and failures as events.
+    """Run the admitted choices of one request on their workers, one event at a time: their text, then their end.
 
     Args:
         request_id: the request's id (logs; each choice carries its own id).
@@ -141,7 +140,6 @@ class ChoiceRunner:
         cache_key: carried to the worker.
         ignore_eos: forwarded (benchmarks).
         upstream_prompts: the client's messages or prompt, one per prompt, for an upstream worker; None = token ids.
-        put_event: puts one event into the request's event queue (waits while the queue is full).
         on_first_token: called on each choice's first token with ``time.perf_counter()`` then and the worker's TTFT
             in ms (None when the worker does not report it).
     """
@@ -150,7 +148,6 @@ class ChoiceRunner:
                  stop_strings: list[str], tier: str, admission: AdmissionController, pool: WorkerPool,
                  tokenizer: Tokenizer, metrics: Metrics, first_token_timeout_s: float, stall_timeout_s: float,
                  cache_key: str, ignore_eos: bool, upstream_prompts: list[UpstreamPrompt] | None,
-                 put_event: Callable[[ChoiceEvent], Awaitable[None]],
                  on_first_token: Callable[[float, float | None], None]) -> None:
         self.request_id = request_id
         self.prompts = prompts
@@ -167,53 +164,64 @@ class ChoiceRunner:
         self.cache_key = cache_key
         self.ignore_eos = ignore_eos
         self.upstream_prompts = upstream_prompts
-        self._put_event = put_event
         self._on_first_token = on_first_token
 
-    def start(self, choice: ChoiceState) -> asyncio.Task[None]:
-        """Give the admitted choice its detokenizer and stop matcher; return the task that runs it to its end.
-
-        The caller owns the task (cancels it on close); a failure reaches the event queue as a :class:`SluiceError`.
-        """
+    def start(self, choice: ChoiceState) -> None:
+        """Give the admitted choice its detokenizer and stop matcher; its ``Generate`` leaves on the first
+        :meth:`next_event`."""
         choice.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompts[choice.prompt_index])
         choice.matcher = StopStringMatcher(self.stop_strings)
-        return asyncio.create_task(self._pump(choice), name=f"pump-{choice.request_id}")
 
-    async def _pump(self, choice: ChoiceState) -> None:
-        try:
-            await self._run(choice)
-        except SluiceError as exc:
-            await self._put_event(exc)
+    def ready(self, choice: ChoiceState) -> bool:
+        """Return whether :meth:`next_event` would return without waiting: an event is pending, the choice has
+        ended, or its worker's reply is in."""
+        stream = choice.stream
+        return bool(choice.pending) or choice.finish_reason is not None or (stream is not None and stream.has_unread)
 
-    async def _run(self, choice: ChoiceState) -> None:
-        """Run the choice to its end, retrying once on another worker when it fails before its first token."""
-        while True:
+    async def next_event(self, choice: ChoiceState) -> TextEvent | FinishEvent | None:
+        """Return the choice's next :class:`TextEvent` or its :class:`FinishEvent`, then None.
+
+        The choice advances only here, in the caller's task: each call sends its attempt when none runs, reads its
+        worker's replies and retries or resumes it as the module docstring says.
+
+        Raises:
+            SluiceError: the choice failed (worker error, worker lost, timeout, shed on retry); it is over.
+        """
+        while not choice.pending:
+            if choice.finish_reason is not None:
+                return None
             try:
-                self._send(choice)
-                await self._stream(choice)
+                if choice.stream is None:
+                    self._send(choice)
+                await self._read_update(choice)
             except SluiceError as exc:
-                if exc.code is ErrorCode.PREEMPTED:
-                    self._end_attempt(choice, failed=False, answered=False)
-                    await self._resume(choice)
-                    continue
-                failed_worker = choice.worker
-                # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
-                dropped = exc.code is ErrorCode.QUEUE_TIMEOUT and choice.completion_tokens == 0
-                self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES, answered=not dropped)
-                if dropped:
-                    raise self.admission.shed_at_worker(choice.ticket, exc.message) from None
-                retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
-                             and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE
-                             and self._first_token_time_left_s(choice) > 0)
-                if not retryable:
-                    raise
-                choice.attempt += 1
-                log.warning("retry_before_first_byte", request_id=self.request_id, choice=choice.index,
-                            failed_worker=failed_worker.name if failed_worker else None, error_code=exc.code.value)
-                await self._admit_retry(choice, failed_worker)
-                continue
-            self._end_attempt(choice, failed=False)
+                await self._recover(choice, exc)
+        return choice.pending.popleft()
+
+    async def _recover(self, choice: ChoiceState, exc: SluiceError) -> None:
+        """End the failed or preempted attempt; queue the choice again when it may go on (a preemption, a
+        retryable failure before its first token), else raise."""
+        if exc.code is ErrorCode.PREEMPTED:
+            self._end_attempt(choice, failed=False, answered=False)
+            choice.stream = None
+            await self._resume(choice)
             return
+        failed_worker = choice.worker
+        # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
+        dropped = exc.code is ErrorCode.QUEUE_TIMEOUT and choice.completion_tokens == 0
+        self._end_attempt(choice, failed=exc.code in HEALTH_FAILURE_CODES, answered=not dropped)
+        choice.stream = None
+        if dropped:
+            raise self.admission.shed_at_worker(choice.ticket, exc.message) from None
+        retryable = (exc.code in RETRYABLE_CODES and choice.completion_tokens == 0
+                     and choice.attempt + 1 < MAX_ATTEMPTS_PER_CHOICE
+                     and self._first_token_time_left_s(choice) > 0)
+        if not retryable:
+            raise exc
+        choice.attempt += 1
+        log.warning("retry_before_first_byte", request_id=self.request_id, choice=choice.index,
+                    failed_worker=failed_worker.name if failed_worker else None, error_code=exc.code.value)
+        await self._admit_retry(choice, failed_worker)
 
     def _first_token_time_left_s(self, choice: ChoiceState) -> float:
         """Seconds left of the choice's first-token deadline (the whole timeout before its first ``Generate``)."""
@@ -359,36 +367,33 @@ class ChoiceRunner:
             raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"worker {stream.worker.name} sent no {what} within "
                               f"{limit_s:g} s") from None
 
-    async def _stream(self, choice: ChoiceState) -> None:
-        stream = choice.stream
-        while True:
-            update = await self._next_update(choice)
-            if update.token_ids or update.text:
-                if choice.completion_tokens == 0:
-                    self.pool.record_success(choice.reservation)
-                self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
-                piece = self._detokenize(choice, update) if update.token_ids else update.text
-                text = choice.matcher.push(piece)
-                if text:
-                    await self._emit(choice, text)
-                if choice.matcher.matched is not None:
-                    stream.worker.abort(stream.request_id)
-                    await self._finish(choice, "stop")
-                    return
-            if update.finished is not None:
-                finished = update.finished
-                choice.cached_tokens = min(finished.cached_tokens, choice.prompt_tokens)  # a resumption's prompt
-                # holds the answer so far, which the engine may have cached too
-                choice.completion_tokens = max(choice.completion_tokens,
-                                               choice.resume_base_tokens + finished.completion_tokens)
-                text = choice.matcher.push(choice.detokenizer.flush())
-                if choice.matcher.matched is None:
-                    text += choice.matcher.flush()
-                if text:
-                    await self._emit(choice, text)
-                reason = "stop" if choice.matcher.matched is not None else finished.finish_reason
-                await self._finish(choice, "length" if reason == "length" else "stop")
+    async def _read_update(self, choice: ChoiceState) -> None:
+        """Wait for the attempt's next reply; turn it into the choice's pending events (text, then its end)."""
+        update = await self._next_update(choice)
+        if update.token_ids or update.text:
+            if choice.completion_tokens == 0:
+                self.pool.record_success(choice.reservation)
+            self._observe_tokens(choice, update.num_tokens, update.first_token_latency_ms)
+            piece = self._detokenize(choice, update) if update.token_ids else update.text
+            text = choice.matcher.push(piece)
+            if text:
+                self._emit(choice, text)
+            if choice.matcher.matched is not None:
+                self._finish(choice, "stop")  # aborts the request on its worker
                 return
+        if update.finished is not None:
+            finished = update.finished
+            choice.cached_tokens = min(finished.cached_tokens, choice.prompt_tokens)  # a resumption's prompt
+            # holds the answer so far, which the engine may have cached too
+            choice.completion_tokens = max(choice.completion_tokens,
+                                           choice.resume_base_tokens + finished.completion_tokens)
+            text = choice.matcher.push(choice.detokenizer.flush())
+            if choice.matcher.matched is None:
+                text += choice.matcher.flush()
+            if text:
+                self._emit(choice, text)
+            reason = "stop" if choice.matcher.matched is not None else finished.finish_reason
+            self._finish(choice, "length" if reason == "length" else "stop")
 
     def _detokenize(self, choice: ChoiceState, update: StreamUpdate) -> str:
         """Return the text of the update's tokens; with logprobs, note where each token's text starts."""
@@ -411,10 +416,12 @@ class ChoiceRunner:
         choice.last_token_at_s = now_s
         choice.completion_tokens += num_tokens
 
-    async def _emit(self, choice: ChoiceState, text: str) -> None:
+    def _emit(self, choice: ChoiceState, text: str) -> None:
         choice.text_parts.append(text)
-        await self._put_event(TextEvent(choice.index, text, choice.logprobs.emit(text)))
+        choice.pending.append(TextEvent(choice.index, text, choice.logprobs.emit(text)))
 
-    async def _finish(self, choice: ChoiceState, reason: str) -> None:
+    def _finish(self, choice: ChoiceState, reason: str) -> None:
+        """End the choice: its :class:`FinishEvent`, its attempt ended on its worker, its reservation given back."""
         choice.finish_reason = reason
-        await self._put_event(FinishEvent(choice.index, reason))
+        choice.pending.append(FinishEvent(choice.index, reason))
+        self._end_attempt(choice, failed=False)

@@ -4,11 +4,13 @@
 
     prompt p, sample j  ──▶ choice index p * n + j ──▶ Generate(request_id = "<rid>-<index>", seed + index)
 
-Each choice runs on a task of its own (:class:`~gateway.pipeline.choice.ChoiceRunner`: attempts, retries before the
-first token, deadlines, token ids → text) and puts its :class:`TextEvent` / :class:`FinishEvent` into the request's
-bounded event queue, which :meth:`Generation.next_event` reads. :meth:`Generation.close` aborts every choice still
-running and gives back every reservation; handlers call it in ``finally`` so a client that disconnects (at any point:
-queued, prefill or decode, stream or not) leaves its queue or makes the gateway send ``Abort``.
+:class:`~gateway.pipeline.choice.ChoiceRunner` runs each choice (attempts, retries before the first token,
+deadlines, token ids → text) as its :class:`TextEvent` / :class:`FinishEvent` are read by
+:meth:`Generation.next_event`: a request of one choice (the common case) in the reader's own task; several on one
+task each, which put their events into the request's bounded event queue, read in arrival order.
+:meth:`Generation.close` aborts every choice still running and gives back every reservation; handlers call it in
+``finally`` so a client that disconnects (at any point: queued, prefill or decode, stream or not) leaves its queue or
+makes the gateway send ``Abort``.
 
 **n > 1 and several prompts**: one admission ticket per choice (each is one sequence on a worker, with its own KV
 demand), all queued at the same moment, so they sit side by side in their tier's queue and start together when
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from gateway.admission.controller import AdmissionController
 from gateway.admission.tickets import Ticket
 from gateway.metrics import Metrics
-from gateway.pipeline.choice import ChoiceEvent, ChoiceRunner, ChoiceState, FinishEvent, TextEvent
+from gateway.pipeline.choice import ChoiceRunner, ChoiceState, FinishEvent, TextEvent
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.logprobs import TokenLogprob
 from gateway.pipeline.tokenize import Tokenizer
@@ -33,6 +35,9 @@ from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
 from shared.errors import SluiceError
 from shared.protocol import SamplingParams
+
+# What a choice's task puts into its request's event queue (n > 1): text, its end, or the failure that ends it.
+ChoiceEvent = TextEvent | FinishEvent | SluiceError
 
 
 @dataclass
@@ -92,7 +97,7 @@ class Generation:
         self.choices: list[ChoiceState] = []
         self.ttft_s: float | None = None
         self.worker_ttft_ms: float | None = None
-        self._events: asyncio.Queue[ChoiceEvent] = asyncio.Queue(maxsize=256)
+        self._events: asyncio.Queue[ChoiceEvent] | None = None  # several choices only (start)
         self._tasks: list[asyncio.Task] = []
         self._num_finished = 0
         self._runner = ChoiceRunner(
@@ -100,7 +105,7 @@ class Generation:
             stop_strings=stop_strings, tier=self.tier, admission=admission, pool=pool, tokenizer=tokenizer,
             metrics=metrics, first_token_timeout_s=first_token_timeout_s, stall_timeout_s=stall_timeout_s,
             cache_key=cache_key, ignore_eos=ignore_eos, upstream_prompts=upstream_prompts,
-            put_event=self._events.put, on_first_token=self._first_token)
+            on_first_token=self._first_token)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,9 +156,22 @@ class Generation:
             raise
 
     def start(self) -> None:
-        """Start one task per admitted choice: send ``Generate`` to its worker and pump the replies."""
+        """Make the admitted choices ready to run: one alone runs as :meth:`next_event` reads it; several start one
+        task each now, which sends its ``Generate`` and pumps its events into the event queue."""
         for choice in self.choices:
-            self._tasks.append(self._runner.start(choice))
+            self._runner.start(choice)
+        if len(self.choices) > 1:
+            self._events = asyncio.Queue(maxsize=256)
+            self._tasks = [asyncio.create_task(self._pump(choice), name=f"pump-{choice.request_id}")
+                           for choice in self.choices]
+
+    async def _pump(self, choice: ChoiceState) -> None:
+        events = self._events
+        try:
+            while (event := await self._runner.next_event(choice)) is not None:
+                await events.put(event)
+        except SluiceError as exc:
+            await events.put(exc)
 
     def close(self) -> None:
         """Abort every choice still running, give back every reservation and cancel the pumps (synchronous)."""
@@ -166,7 +184,9 @@ class Generation:
             task.cancel()
 
     def has_event(self) -> bool:
-        """Return whether :meth:`next_event` would return without waiting (an event is queued, or all finished)."""
+        """Return whether :meth:`next_event` would return without waiting (an event is ready, or all finished)."""
+        if self._events is None:
+            return self._runner.ready(self.choices[0])
         return self._num_finished == len(self.choices) or not self._events.empty()
 
     async def next_event(self) -> TextEvent | FinishEvent | None:
@@ -176,6 +196,8 @@ class Generation:
             SluiceError: a choice failed (worker error, worker lost, timeout, shed on retry); :meth:`close` aborts
                 the others.
         """
+        if self._events is None:
+            return await self._runner.next_event(self.choices[0])
         if self._num_finished == len(self.choices):
             return None
         event = await self._events.get()

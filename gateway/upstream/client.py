@@ -226,7 +226,7 @@ class UpstreamClient(WorkerClient):
         """Close the request's HTTP connection now (synchronous: safe in ``finally``)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.done = True
+            stream.end()
         task = self._requests.pop(request_id, None)
         if task is not None and not task.done():
             task.cancel()

@@ -263,7 +263,7 @@ class WorkerClient:
         stream = self._streams.pop(request_id, None)
         if stream is None or stream.done:
             return
-        stream.done = True
+        stream.end()
         if self._writer is not None and not self._writer.is_closing():
             self._send(self._codec.encode(Abort(request_id)))
 

@@ -77,6 +77,8 @@ class RequestStream:
         self._error: SluiceError | None = None
         self._has_update = False  # a reply arrived that next_update has not returned yet
         self._waiter: asyncio.Future[None] | None = None  # next_update is waiting on it
+        self._deadline_s = 0.0  # loop.time() when the current wait times out
+        self._timer: asyncio.TimerHandle | None = None  # fires at or before _deadline_s (see _wait)
         self.done = False  # the worker will send nothing more (finished, failed or aborted)
         self.reservation: Reservation | None = None  # set by start_request: its prefill backlog entry
 
@@ -112,14 +114,19 @@ class RequestStream:
     def _finish(self, finished: Finished) -> None:
         self._started()
         self._finished = finished
-        self.done = True
+        self.end()
         self._wake()
 
     def _fail(self, error: SluiceError) -> None:
         self._started()
         self._error = error
-        self.done = True
+        self.end()
         self._wake()
+
+    def end(self) -> None:
+        """Mark the stream over (finished, failed or aborted: nothing more comes) and stop its wait timer."""
+        self.done = True
+        self.stop_timer()
 
     def _wake(self) -> None:
         self._has_update = True
@@ -155,24 +162,46 @@ class RequestStream:
         return StreamUpdate([], latency_ms, None)
 
     async def _wait(self, timeout_s: float) -> None:
-        """Wait until a reply arrives, on one future and one timer (``asyncio.wait_for`` would add a task per wait).
+        """Wait until a reply arrives or ``timeout_s`` passes.
+
+        One future per wait and one timer per stream, not one per wait: a timer that fires before the current
+        deadline (set by an earlier, shorter wait) re-arms itself for the rest, and one set further out is re-armed
+        only when a wait's deadline is nearer. A stream waits once per token, so this saves a timer's start and
+        stop per token (``asyncio.wait_for`` would add a task per wait too).
 
         Raises:
             SluiceError: ``worker_timeout`` when nothing arrived within ``timeout_s``.
         """
         if timeout_s > 0:
             loop = asyncio.get_running_loop()
+            self._deadline_s = loop.time() + timeout_s
+            timer = self._timer
+            if timer is None or timer.when() > self._deadline_s:
+                if timer is not None:
+                    timer.cancel()
+                self._timer = loop.call_at(self._deadline_s, self._on_timer)
             waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(timeout_s, _resolve, waiter)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
         if not self._has_update:
+            self.stop_timer()
             raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"the worker sent no token for {timeout_s:g} s")
 
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # no wait in progress: the next one arms a timer again
+        loop = waiter.get_loop()
+        if loop.time() < self._deadline_s:
+            self._timer = loop.call_at(self._deadline_s, self._on_timer)
+        else:
+            waiter.set_result(None)
 
-def _resolve(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def stop_timer(self) -> None:
+        """Cancel the wait timer (the stream has ended, or its reader stops reading)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

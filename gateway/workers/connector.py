@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, authenticate_worker
-from shared.protocol import FrameCodec, Hello, ProtocolError, gateway_codec
+from shared.protocol import FrameCodec, FrameSplitter, Hello, ProtocolError, gateway_codec
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -30,6 +30,7 @@ RECONNECT_INTERVAL_S = 0.2
 # A connect to a Unix socket that is not there yet fails at once (ENOENT) and costs microseconds.
 FIRST_CONNECT_INTERVAL_S = 0.01
 CONNECT_TIMEOUT_S = 5.0
+READ_CHUNK_BYTES = 256 * 1024  # most bytes taken from the connection per read (its frames are decoded together)
 # Seconds before connecting again to a worker that failed authentication (a configuration error, not a blip).
 AUTH_RETRY_INTERVAL_S = 5.0
 
@@ -123,12 +124,15 @@ class WorkerConnector:
 
     async def _read_loop(self, reader: asyncio.StreamReader, codec: FrameCodec) -> str:
         """Hand every frame to ``on_message``; return why the connection ended."""
+        frames = FrameSplitter(codec)
         try:
             while True:
-                message = await codec.read(reader)
-                if message is None:
+                data = await reader.read(READ_CHUNK_BYTES)
+                if not data:
+                    if frames.partial:
+                        raise ProtocolError("stream ended inside a frame")
                     return "worker closed the connection"
-                self._on_message(message)
+                frames.feed(data, self._on_message)
         except ProtocolError as exc:
             log.error("worker_malformed_frame", worker=self.name, error=str(exc))
             return f"malformed frame from worker: {exc}"

@@ -74,20 +74,20 @@ class _PromptHashes:
     """The chain hashes of one prompt's full blocks, per block size, computed once when first asked."""
 
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
-        self._prompt_token_ids = prompt_token_ids
+        self.prompt_token_ids = prompt_token_ids
         self._by_block_size: dict[int, list[int]] = {}
 
     def full(self, block_size_tokens: int) -> list[int]:
         """Return the hashes of the prompt's full blocks (prefix-aware routing)."""
         hashes = self._by_block_size.get(block_size_tokens)
         if hashes is None:
-            hashes = self._by_block_size[block_size_tokens] = hash_token_blocks(self._prompt_token_ids,
+            hashes = self._by_block_size[block_size_tokens] = hash_token_blocks(self.prompt_token_ids,
                                                                                 block_size_tokens)
         return hashes
 
     def shareable(self, block_size_tokens: int) -> Sequence[int]:
         """Return the hashes of the blocks a worker can share with other requests (:func:`shareable_hashes`)."""
-        return shareable_hashes(self.full(block_size_tokens), len(self._prompt_token_ids), block_size_tokens)
+        return shareable_hashes(self.full(block_size_tokens), len(self.prompt_token_ids), block_size_tokens)
 
 
 class WorkerPool:
@@ -109,6 +109,7 @@ class WorkerPool:
         self._known_prefill_tokens_per_s = 0.0
         self.on_change = on_change
         self._client_change_scheduled = False
+        self._last_hashes: _PromptHashes | None = None  # see _prompt_hashes
         for client in clients:
             client.on_change = self._client_changed
 
@@ -190,6 +191,14 @@ class WorkerPool:
         """Ready workers whose breaker is not open (closed, or half-open and able to probe soon)."""
         return [c for c in self.ready_clients() if c.breaker.state is not BreakerState.OPEN]
 
+    def _prompt_hashes(self, prompt_token_ids: Sequence[int]) -> _PromptHashes:
+        """Return the block hashes of this prompt list, computed once for consecutive asks about the same list
+        object (a dispatch asks :meth:`shared_prefix_blocks` then :meth:`try_reserve` for one ticket's prompt)."""
+        hashes = self._last_hashes
+        if hashes is None or hashes.prompt_token_ids is not prompt_token_ids:
+            hashes = self._last_hashes = _PromptHashes(prompt_token_ids)
+        return hashes
+
     def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int],
                     avoid: object | None = None) -> Reservation | None:
         """Pick a worker for a request and book on it the KV blocks the request will newly allocate, and one
@@ -211,7 +220,7 @@ class WorkerPool:
         num_prompt_tokens = len(prompt_token_ids)
         priority = self.tier_priorities.get(tier, 0)
         fallback_rate = self.known_prefill_tokens_per_s() if self.prefill_queue_s > 0 else 0.0
-        hashes = _PromptHashes(prompt_token_ids)
+        hashes = self._prompt_hashes(prompt_token_ids)
         candidates = [c for c in self.clients if c.ready and c.can_take(
             c.kv_booking.new_blocks(demand_blocks, hashes.shareable(c.block_size_tokens)), num_prompt_tokens,
             self.prefill_queue_s, priority, fallback_rate)]
@@ -256,7 +265,7 @@ class WorkerPool:
     def shared_prefix_blocks(self, prompt_token_ids: Sequence[int]) -> int:
         """Return the most leading prompt blocks of ``prompt_token_ids`` that admitted requests on one ready worker
         hold already (booked there, so a request routed there books that many fewer)."""
-        hashes = _PromptHashes(prompt_token_ids)
+        hashes = self._prompt_hashes(prompt_token_ids)
         return max((c.kv_booking.num_held(hashes.shareable(c.block_size_tokens)) for c in self.ready_clients()
                     if c.kv_booking.num_shared_blocks > 0), default=0)
 

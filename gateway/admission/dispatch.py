@@ -118,10 +118,10 @@ class Dispatcher:
         if not self._enabled:
             return True
         free_blocks, unused_reserved_blocks = self._waits.free_blocks(ticket.tier.priority)
-        if unused_reserved_blocks > 0:
-            new_blocks = ticket.demand_blocks - self._view.shared_prefix_blocks(ticket.prompt_token_ids)
-            if free_blocks < new_blocks:
-                return False
+        # the prompt's shared prefix lowers what it books: looked up only when its whole demand does not fit
+        if (unused_reserved_blocks > 0 and free_blocks < ticket.demand_blocks
+                and free_blocks < ticket.demand_blocks - self._view.shared_prefix_blocks(ticket.prompt_token_ids)):
+            return False
         total_slots = self._view.total_sequence_slots()
         free_slots, unused_reserved_slots = self._waits.free_slots(ticket.tier.priority, total_slots)
         return not (unused_reserved_slots > 0 and free_slots < 1)

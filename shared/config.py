@@ -679,6 +679,11 @@ def effective_tiers(config: Config) -> list[TierConfig]:
     return list(config.tiers) if config.tiers else list(DEFAULT_TIERS)
 
 
+def lowest_tier(config: Config) -> TierConfig:
+    """Return the tier of the lowest priority (``batch`` by default): the tier jobs and batches run in."""
+    return min(effective_tiers(config), key=lambda t: t.priority)
+
+
 DEFAULT_POOL_NAME = "default"
 
 

@@ -24,7 +24,7 @@ from gateway.jobs.runner import JobRunner
 from gateway.jobs.stores import make_store
 from gateway.state import CONFIG, FLEET, METRICS, PIPELINE
 from gateway.pipeline.classify import Principal
-from shared.config import effective_tiers
+from shared.config import lowest_tier
 
 __all__ = ["JOBS", "setup_jobs"]
 
@@ -33,7 +33,7 @@ JOBS_TENANT = "jobs"
 
 def _lowest_tier_principal(app: web.Application) -> Principal:
     """Return the principal jobs run as: the lowest-priority tier (``batch`` by default), no per-minute limits."""
-    tier = min(effective_tiers(app[CONFIG]), key=lambda t: t.priority)
+    tier = lowest_tier(app[CONFIG])
     return Principal(tenant=JOBS_TENANT, tier=tier, key_tier=tier, rate_limit_key=JOBS_TENANT, rpm_limit=0,
                      tpm_limit=0)
 

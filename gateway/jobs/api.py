@@ -1,7 +1,8 @@
 """Native job API (``/v1/jobs``), ownership, limits, and the deferral of shed requests to jobs.
 
 - ``POST /v1/jobs``: body = one chat completions request, plus optional ``priority`` (0–9 inside the batch tier,
-  larger first; default 0) and ``metadata`` (≤ 16 string pairs). → 202, the job object, ``Location``.
+  larger first; default 0) and ``metadata`` (≤ 16 string pairs). → 202, the job object, ``Location``; 400 as the
+  sync endpoint for bad input, a prompt past the context (``context_length_exceeded``) included.
 - ``GET /v1/jobs/{id}``: the job; ``result`` is the full chat.completion once ``succeeded``.
 - ``GET /v1/jobs?limit=&after=``: the caller's jobs, newest first, OpenAI list pagination.
 - ``DELETE /v1/jobs/{id}``: cancel or delete. Queued → ``cancelled``; running → ``cancelled`` and aborted on its
@@ -44,8 +45,8 @@ from gateway.jobs.models import (
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
 from gateway.jobs.stores import STORE_UNAVAILABLE_ERRORS
-from gateway.state import CONFIG, REQUEST_LOG, RESOLVER
-from shared.config import Config, TierConfig
+from gateway.state import CONFIG, PIPELINE, REQUEST_LOG, RESOLVER
+from shared.config import Config, TierConfig, lowest_tier
 from shared.errors import ErrorCode, SluiceError
 
 DEFER_HEADER = "x-sluice-defer"
@@ -233,6 +234,7 @@ async def create_job(request: web.Request) -> web.Response:
                           f"{MAX_PRIORITY}] (larger runs first, inside the batch tier)", param="priority")
     metadata = check_metadata(body.pop("metadata", None))
     encoded = validate_request_body(service.config, KIND_CHAT, body)
+    await request.app[PIPELINE].check(KIND_CHAT, encoded, lowest_tier(service.config).name)
     job = await submit_job(service, owner, KIND_CHAT, encoded, priority=priority, metadata=metadata)
     request[REQUEST_LOG].update(job_id=job.id, outcome="queued")
     return _job_response(job, 202)

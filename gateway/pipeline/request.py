@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.admission.caps import CapDecision
 from gateway.fleet.fleet import Fleet
-from gateway.fleet.pools import Route
+from gateway.fleet.pools import PoolRuntime, Route
 from gateway.metrics import Metrics
 from gateway.pipeline import openai_api
 from gateway.pipeline.choice import FinishEvent
@@ -69,7 +70,7 @@ class Plan:
     principal: Principal
     route: Route
     prompt_ids: list[list[int]]
-    caps: list[Any]
+    caps: list[CapDecision]
     generation: Generation
     arrival_s: float
     logprob_formatter: LogprobFormatter | None = None
@@ -195,16 +196,7 @@ class RequestPipeline:
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
         route = self.fleet.route(body.model, principal.tier)
         runtime = route.runtime
-        # the longest sequence the pool's KV can ever give this tier: a prompt past it is a 400 now, not a wait
-        context_tokens = runtime.pool.max_model_len_tokens(
-            config.model.max_model_len_tokens, runtime.capper.reserved_kv_fraction_above(principal.tier.name))
-        requested = openai_api.requested_max_tokens(body)
-        prompt_param = "messages" if kind == "chat" else "prompt"
-        caps = [
-            runtime.capper.cap(principal.tier.name, requested, len(ids), param=_max_tokens_param(body),
-                               prompt_param=prompt_param, max_model_len_tokens=context_tokens)
-            for ids in prompt_ids
-        ]
+        caps = self._caps(kind, body, runtime, principal.tier.name, prompt_ids)
         generation = Generation(
             request_id=request_id, prompts=prompt_ids, max_tokens=[cap.max_tokens for cap in caps], n=n,
             sampling=_sampling(body), stop_strings=stop_strings, principal=principal, admission=runtime.admission,
@@ -248,6 +240,34 @@ class RequestPipeline:
         build = chat_completion if plan.kind == "chat" else text_completion
         return build(plan.response_id, int(time.time()), plan.model_name, texts, finish_reasons,
                      generation.usage().to_dict(), logprobs)
+
+    def _caps(self, kind: Kind, body: OpenAIRequest, runtime: PoolRuntime, tier: str,
+              prompt_ids: list[list[int]]) -> list[CapDecision]:
+        """Return each prompt's output cap on ``runtime``'s pool in ``tier``.
+
+        Raises:
+            SluiceError: 400 ``context_length_exceeded`` for a prompt past the longest sequence the pool's KV can
+                ever give the tier (a 400 now, not a wait), ``invalid_value`` for ``max_tokens`` below 1.
+        """
+        context_tokens = runtime.pool.max_model_len_tokens(
+            self.config.model.max_model_len_tokens, runtime.capper.reserved_kv_fraction_above(tier))
+        requested = openai_api.requested_max_tokens(body)
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        return [runtime.capper.cap(tier, requested, len(ids), param=_max_tokens_param(body),
+                                   prompt_param=prompt_param, max_model_len_tokens=context_tokens)
+                for ids in prompt_ids]
+
+    async def check(self, kind: Kind, raw_body: bytes, tier: str) -> None:
+        """Run the steps before admission that need no client, as if the request were sent now in ``tier`` on its
+        model's pool (no degrade routing): parse, tokenize, cap. The job endpoint's check at submission, so a
+        prompt past the context is a 400 then, not a job that fails when it runs.
+
+        Raises:
+            SluiceError: as :meth:`parse`, :meth:`tokenize` and :meth:`plan` (4xx naming the field).
+        """
+        body = self.parse(kind, raw_body)
+        prompt_ids = await self.tokenize(kind, body)
+        self._caps(kind, body, self.fleet.runtime_for_model(body.model), tier, prompt_ids)
 
     async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
                              on_admitted: Callable[[], None] | None = None) -> dict[str, Any]:

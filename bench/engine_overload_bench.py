@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from bench.serving_bench import llama_server  # noqa: E402
+from bench.serving_bench import LLAMA_SERVER_ARGS, llama_server  # noqa: E402
 from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from loadtest.replay import ReplayOptions, clipped_input_tokens, prepare_requests, run_replay  # noqa: E402
 from loadtest.sizing import rate_scale_for  # noqa: E402
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     vip = sluice["summary"]["tiers"].get("vip", {})
     result = {
         "bench": "engine_overload", "engine": "llama.cpp llama-server", "model": Path(default_model_path()).name,
+        "engine_args": " ".join(["--metrics", *LLAMA_SERVER_ARGS[1:]]),
         "options": vars(args), "capacity": capacity, "rate_scale": rate_scale, "num_requests": len(requests),
         "unloaded_ttft_s": [round(t, 3) for t in ttfts_s], "slo_ttft_s": slo_ttft_s,
         "slo_rule": f"vip {VIP_SLO_FACTOR:g}x, standard and free {OTHER_SLO_FACTOR:g}x the slowest unloaded TTFT "

@@ -28,6 +28,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -165,31 +166,37 @@ def run_sluice(prompts: list[str], levels: list[int], weights: str = "auto", rep
                 "gateway_overhead": _overhead_ms(base_url)}
 
 
+# Where the CPU advertises AMX but the machine does not run AMX instructions (a VM that does not pass the tile state
+# through), llama.cpp's AMX kernels, used for repacked weights, die of SIGILL or SIGSEGV on the first matrix product
+# (gdb: ``tilezero`` in ``tinygemm_kernel_amx``). Without repacking llama.cpp runs the same quantized dot products on
+# AVX-512 (Q4_1 has no other repacked layout on x86).
+CRASH_FALLBACK_ARGS = ["--no-repack"]
+LLAMA_SERVER_ARGS: list[str] = []  # what the last llama_server() ran with beyond its defaults (results record it)
+
+
 @contextlib.contextmanager
 def llama_server(binary: str, model_path: str, parallel: int, threads: int = 2, ctx_per_slot: int = 2048,
                  extra_args: list[str] | None = None):
     """Run ``llama-server`` on the GGUF file on a free port (with ``extra_args``, e.g. ``--metrics``); yield its
-    base URL; stop it afterwards."""
+    base URL; stop it afterwards. A server killed by a signal before it is ready is started again with
+    :data:`CRASH_FALLBACK_ARGS` (said on stderr; :data:`LLAMA_SERVER_ARGS` holds what ran)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "llama.log")
-        cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
-               "-t", str(threads), "--cont-batching", "-c", str(parallel * ctx_per_slot), *(extra_args or [])]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        base_url = f"http://127.0.0.1:{port}"
+        args = list(extra_args or [])
+        while True:
+            cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
+                   "-t", str(threads), "--cont-batching", "-c", str(parallel * ctx_per_slot), *args]
+            proc, base_url = _start_llama_server(cmd, log_path, port)
+            if proc.returncode is None or proc.returncode >= 0 or CRASH_FALLBACK_ARGS[0] in args:
+                break
+            print(f"llama-server died of signal {-proc.returncode} before it was ready (AMX kernels on a machine "
+                  f"that does not run them?); again with {' '.join(CRASH_FALLBACK_ARGS)}", file=sys.stderr)
+            args += CRASH_FALLBACK_ARGS
+        LLAMA_SERVER_ARGS[:] = args
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited: {open(log_path).read()[-3000:]}")
-                with contextlib.suppress(OSError):
-                    with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
-                        if response.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("llama-server did not become ready")
-                time.sleep(0.5)
+            if proc.returncode is not None:
+                raise RuntimeError(f"llama-server exited ({proc.returncode}): {open(log_path).read()[-3000:]}")
             yield base_url
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -201,14 +208,33 @@ def llama_server(binary: str, model_path: str, parallel: int, threads: int = 2, 
                 proc.wait()
 
 
+def _start_llama_server(cmd: list[str], log_path: str, port: int) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd``; return it once ``/health`` answers 200, or once it has exited (``returncode`` set)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError("llama-server did not become ready")
+        time.sleep(0.5)
+    return proc, base_url
+
+
 def run_llama(binary: str, prompts: list[str], levels: list[int], repeats: int = REPEATS) -> dict:
     from shared.config import default_model_path
 
     start = time.perf_counter()
     with llama_server(binary, default_model_path(), parallel=max(levels)) as base_url:
         ready_s = time.perf_counter() - start
-        return {"binary": binary, "ready_s": round(ready_s, 2), "args": f"--parallel {max(levels)} -t 2 "
-                "--cont-batching", "runs": _levels_with_repeats(base_url, prompts, levels, repeats)}
+        runs = _levels_with_repeats(base_url, prompts, levels, repeats)
+        return {"binary": binary, "ready_s": round(ready_s, 2),
+                "args": " ".join([f"--parallel {max(levels)} -t 2 --cont-batching", *LLAMA_SERVER_ARGS]), "runs": runs}
 
 
 def run_transformers(prompts: list[str], batch_sizes: list[int]) -> list[dict]:

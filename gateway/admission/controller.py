@@ -142,10 +142,10 @@ class AdmissionController(Generic[ReservationT]):
         self._ticket_ids = itertools.count(1)
         self._in_flight: dict[int, Ticket[ReservationT]] = {}  # admitted, not yet released, by ticket id
         self.rates = ServiceRates(config.admission, view, clock)  # drain, arrival and service rates (``/status``)
-        self._waits = WaitEstimator(config, self._queues, self._in_flight, self.rates, self._order, view,
-                                    self.pressure, clock)
         self.preemption = Preemption(self._enabled and self._admission.preempt_lower_tiers
                                      and self._admission.order_policy != "fifo", self._in_flight, view)
+        self._waits = WaitEstimator(config, self._queues, self._in_flight, self.rates, self._order, view,
+                                    self.pressure, clock, self.preemption.enabled)
         self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self.rates, self._waits,
                                       self._order, view, clock, lambda now_s: self._shedder.shed_expired(now_s),
                                       self.preemption)

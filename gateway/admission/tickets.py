@@ -49,6 +49,8 @@ class Ticket(Generic[ReservationT]):
         on_preempt: set by the request's owner once it runs where the gateway may preempt it: stops the request
             and releases this ticket at once, returning True; False when it cannot be preempted now
             (:mod:`gateway.admission.preemption`).
+        can_preempt: set with ``on_preempt``: whether ``on_preempt`` would stop the request now, without stopping
+            it (the wait estimate counts such a request's slot as one a higher tier can take).
         decoding: set by the owner at the request's first token: its prompt is done on the worker.
     """
 
@@ -71,6 +73,7 @@ class Ticket(Generic[ReservationT]):
     expected_work_tokens: float = 0.0
     resume_timeout_s: float | None = None
     on_preempt: Callable[[], bool] | None = field(default=None, repr=False)
+    can_preempt: Callable[[], bool] | None = field(default=None, repr=False)
     decoding: bool = False
     _future: asyncio.Future[ReservationT] | None = field(default=None, repr=False)
 

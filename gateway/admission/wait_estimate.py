@@ -32,11 +32,13 @@ class WaitEstimator:
         view: the pool's capacity view.
         pressure: the pressure monitor (the dwell left in its level bounds an overload ``Retry-After``).
         clock: monotonic time in seconds.
+        preemption: the dispatcher stops lower-tier requests for a request that finds no slot
+            (``gateway.admission.preemption``): their slots count as freeing when a stop would free them.
     """
 
     def __init__(self, config: Config, queues: dict[str, TierQueue], in_flight: dict[int, Ticket[Any]],
                  rates: ServiceRates, order: DispatchOrder, view: CapacityView[Any], pressure: PressureMonitor,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], preemption: bool = False) -> None:
         self._config = config
         self._queues = queues
         self._in_flight = in_flight
@@ -45,6 +47,7 @@ class WaitEstimator:
         self._view = view
         self._pressure = pressure
         self._clock = clock
+        self._preemption = preemption
 
     def predicted_wait_s(self, tier: str) -> float | None:
         """Return the predicted queue wait in seconds of a request arriving now in ``tier``, None when unknown.
@@ -82,10 +85,13 @@ class WaitEstimator:
         as the drain rate counts starting workers), else when an admitted request ends. A request holds
         its slot for its prompt at the prefill rate plus its expected output (``max_tokens`` × the measured output
         fraction) at the decode rate one running sequence gets (``CapacityView.sequence_rates_tokens_per_s``); the
-        admitted requests' slots free at their admission + that service time (one past its estimate frees "now").
-        List scheduling then gives each request ahead, in order, the slot that frees first, for its own service
-        time, and the request starts when the next slot frees. The first :data:`MAX_SCHEDULED_AHEAD` requests ahead
-        are placed one by one, the rest at their mean service time spread over the slots. Work ÷ rate alone misses
+        admitted requests' slots free at their admission + that service time (one past its estimate frees "now"),
+        and, with preemption, a request of a lower tier that may be stopped (``Ticket.can_preempt``) frees its slot
+        at once when it is decoding, at the end of its prompt when it is prefilling (an engine notices a stop at
+        the victim's next token). List scheduling then gives each request ahead, in order, the slot that frees
+        first, for its own service time, and the request starts when the next slot frees. The first
+        :data:`MAX_SCHEDULED_AHEAD` requests ahead are placed one by one, the rest at their mean service time spread
+        over the slots. Work ÷ rate alone misses
         this: a full pool of long answers admits nobody until one of them ends, however little work is queued; and
         it counts a prompt token like an output token, where a prompt costs a small part of an answer's slot time.
         """
@@ -102,12 +108,16 @@ class WaitEstimator:
             prefill_s = ticket.prompt_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 0.0
             return prefill_s + ticket.max_tokens * output_fraction / decode_tokens_per_s
 
+        def slot_free_s(ticket: Ticket[Any]) -> float:
+            if (self._preemption and ticket.tier.priority < priority and ticket.can_preempt is not None
+                    and ticket.can_preempt()):
+                if ticket.decoding or prefill_tokens_per_s <= 0:
+                    return 0.0
+                return max(0.0, ticket.admitted_s + ticket.prompt_tokens / prefill_tokens_per_s - now_s)
+            return max(0.0, ticket.admitted_s + service_s(ticket) - now_s)
+
         now_s = self._clock()
-        slots_free_s = [
-            max(0.0, ticket.admitted_s + service_s(ticket) - now_s)
-            for ticket in self._in_flight.values()
-            if ticket.admitted_s is not None
-        ]
+        slots_free_s = [slot_free_s(ticket) for ticket in self._in_flight.values() if ticket.admitted_s is not None]
         total_slots = self._view.total_sequence_slots()
         if total_slots > 0:
             idle = self.free_slots(priority, total_slots)[0]

@@ -62,6 +62,9 @@ log = structlog.get_logger("sluice.gateway")
 SEED_MODULUS = 2**63
 MAX_ATTEMPTS_PER_CHOICE = 2  # the first try and one retry before the first byte
 MAX_PREEMPTIONS_PER_CHOICE = 2  # then it runs to its end: a low tier is not stopped over and over
+# A request this close to its output budget's end frees its slot within a few decode steps (an engine notices a stop
+# only at the next one); stopping it would throw away its prompt's and answer's KV, recomputed when it resumes.
+MIN_TOKENS_LEFT_TO_PREEMPT = 4
 # Failures that may be retried on another worker when no token of the choice exists yet.
 # server_overloaded: an upstream answered 429/503 (gateway.upstream); the retry waits in the tier queue.
 RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING,
@@ -246,20 +249,27 @@ class ChoiceRunner:
                               f"{self.first_token_timeout_s:g} s") from None
         self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
 
+    def _can_preempt(self, choice: ChoiceState) -> bool:
+        """Return whether the choice's running request may be stopped for a higher tier's now
+        (``Ticket.can_preempt``): not when it is not running, already preempted :data:`MAX_PREEMPTIONS_PER_CHOICE`
+        times, fewer than :data:`MIN_TOKENS_LEFT_TO_PREEMPT` tokens from its output budget's end, with output on an
+        engine that cannot continue from token ids, with output not yet read (the counts below would be stale), or
+        on a worker the gateway does not use now (stopping it frees no usable slot)."""
+        stream, worker = choice.stream, choice.worker
+        return not (stream is None or stream.done or stream.has_unread or worker is None
+                    or not worker.preemptible_by_gateway or not worker.ready
+                    or worker.breaker.state is BreakerState.OPEN
+                    or choice.finish_reason is not None or choice.num_preemptions >= MAX_PREEMPTIONS_PER_CHOICE
+                    or self.max_tokens[choice.prompt_index] - choice.completion_tokens < MIN_TOKENS_LEFT_TO_PREEMPT
+                    or (choice.completion_tokens > 0 and not worker.resumes_from_token_ids))
+
     def _preempt(self, choice: ChoiceState) -> bool:
         """Stop the choice's running request for a higher tier's (``Ticket.on_preempt``, called by the dispatcher):
-        close its upstream request, end its stream with ``preempted`` (the pump resumes it: :meth:`_resume`) and
-        release its ticket now. Return False, doing nothing, when it cannot be stopped now: not running, already
-        preempted :data:`MAX_PREEMPTIONS_PER_CHOICE` times, out of output budget, or with output on an engine that
-        cannot continue from token ids, output not yet read (the counts above would be stale), or a worker the
-        gateway does not use now (stopping it frees no usable slot)."""
-        stream, worker = choice.stream, choice.worker
-        if (stream is None or stream.done or stream.has_unread or worker is None or not worker.preemptible_by_gateway
-                or not worker.ready or worker.breaker.state is BreakerState.OPEN
-                or choice.finish_reason is not None or choice.num_preemptions >= MAX_PREEMPTIONS_PER_CHOICE
-                or choice.completion_tokens >= self.max_tokens[choice.prompt_index]
-                or (choice.completion_tokens > 0 and not worker.resumes_from_token_ids)):
+        close its upstream request, end its stream with ``preempted`` (the reader resumes it: :meth:`_resume`) and
+        release its ticket now. Return False, doing nothing, when :meth:`_can_preempt` says no."""
+        if not self._can_preempt(choice):
             return False
+        stream, worker = choice.stream, choice.worker
         choice.num_preemptions += 1
         worker.abort(stream.request_id)
         stream._fail(SluiceError(ErrorCode.PREEMPTED, f"preempted on {worker.name} for a higher tier"))
@@ -325,6 +335,7 @@ class ChoiceRunner:
         choice.stream = reservation.worker.start_request(message, reservation, prompt)
         if reservation.worker.preemptible_by_gateway:
             choice.ticket.on_preempt = lambda: self._preempt(choice)
+            choice.ticket.can_preempt = lambda: self._can_preempt(choice)
         choice.dispatched_at_s = time.perf_counter()
         if choice.first_token_deadline_s is None:
             choice.first_token_deadline_s = choice.dispatched_at_s + self.first_token_timeout_s

@@ -4,8 +4,13 @@ tests/gateway/test_upstream_preemption.py."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from gateway.admission.tickets import TicketState
-from tests.gateway.test_admission import FakeClock, FakePool, make_controller, prompt, queued_task, settle
+from tests.gateway.test_admission import (FakeClock, FakePool, SlotRatesPool, make_controller, prompt, queued_task,
+                                          settle)
 
 
 def preemptible(controller, ticket, stopped: list, can_stop: bool = True) -> None:
@@ -129,3 +134,32 @@ async def test_nothing_is_stopped_while_a_slot_is_free():
     assert stopped == [] and vip.state is TicketState.QUEUED
     controller.release(running)
     await task
+
+
+async def test_the_predicted_wait_counts_a_slot_a_higher_tier_can_stop_as_free():
+    """Early rejection predicts what the dispatcher will do: a vip request need not wait for a standard request's
+    answer to end when it may stop it, so it is not rejected as predicted to miss its deadline."""
+    # per sequence: prefill 100 tokens/s, decode 10 tokens/s: a 10-token prompt with a 40-token answer holds its
+    # slot 4.1 s
+    pool = SlotRatesPool((100.0, 10.0), max_num_seqs=2, rate=1000.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, early_rejection=False)
+    stopped: list[str] = []
+    await controller.admit(controller.make_ticket("vip", prompt(10), 40))  # frees at 4.1 s, cannot be stopped
+    standard = controller.make_ticket("standard", prompt(10), 40)
+    await controller.admit(standard)  # frees at 4.1 s, unless stopped
+    preemptible(controller, standard, stopped)
+    queued_free = queued_task(controller, controller.make_ticket("free", prompt(10), 40))  # held: no slot
+    await settle()
+    clock.advance(1.0)
+    standard.can_preempt = lambda: True
+    standard.decoding = True
+    assert controller.predicted_wait_s("vip") == 0.0  # a stop frees its slot at the next token
+    assert controller.predicted_wait_s("standard") == pytest.approx(3.1)  # an equal tier waits for an end
+    standard.decoding = False
+    assert controller.predicted_wait_s("vip") == 0.0  # its 10-token prompt took 0.1 s: past it already
+    standard.can_preempt = lambda: False  # its owner would not stop it now (e.g. near the end of its budget)
+    assert controller.predicted_wait_s("vip") == pytest.approx(3.1)
+    assert stopped == []
+    queued_free.cancel()
+    await asyncio.gather(queued_free, return_exceptions=True)

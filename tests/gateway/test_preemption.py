@@ -5,12 +5,17 @@ tests/gateway/test_upstream_preemption.py."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.admission.tickets import TicketState
+from gateway.pipeline.choice import MAX_PREEMPTIONS_PER_CHOICE, MIN_TOKENS_LEFT_TO_PREEMPT, ChoiceRunner, ChoiceState
+from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.stream import RequestStream
 from tests.gateway.test_admission import (FakeClock, FakePool, SlotRatesPool, make_controller, prompt, queued_task,
                                           settle)
+from shared.protocol import SamplingParams
 
 
 def preemptible(controller, ticket, stopped: list, can_stop: bool = True) -> None:
@@ -163,3 +168,33 @@ async def test_the_predicted_wait_counts_a_slot_a_higher_tier_can_stop_as_free()
     assert stopped == []
     queued_free.cancel()
     await asyncio.gather(queued_free, return_exceptions=True)
+
+
+def test_the_owner_refuses_a_stop_near_the_end_of_the_output_budget_or_past_its_preemptions():
+    """ChoiceRunner._can_preempt, the owner's side (no side effects): a running choice on an upstream may be stopped
+    while at least MIN_TOKENS_LEFT_TO_PREEMPT tokens of its budget are left and it was stopped fewer than
+    MAX_PREEMPTIONS_PER_CHOICE times."""
+    worker = SimpleNamespace(name="upstream-0", preemptible_by_gateway=True, ready=True, resumes_from_token_ids=True,
+                             breaker=CircuitBreaker(3, 1.0))
+    runner = ChoiceRunner(request_id="r", prompts=[[1, 2, 3]], max_tokens=[16], sampling=SamplingParams(),
+                          stop_strings=[], tier="standard", admission=None, pool=None, tokenizer=None, metrics=None,
+                          first_token_timeout_s=1.0, stall_timeout_s=1.0, cache_key="", ignore_eos=False,
+                          upstream_prompts=None, on_first_token=lambda now_s, ttft_ms: None)
+    choice = ChoiceState(0, 0, "r-0", 3)
+    choice.ticket = SimpleNamespace(reservation=SimpleNamespace(worker=worker))
+    choice.stream = RequestStream("r-0", worker)
+    verdicts = {}
+    for completion_tokens in (0, 16 - MIN_TOKENS_LEFT_TO_PREEMPT, 16 - MIN_TOKENS_LEFT_TO_PREEMPT + 1, 16):
+        choice.completion_tokens = completion_tokens
+        verdicts[completion_tokens] = runner._can_preempt(choice)
+    assert verdicts == {0: True, 12: True, 13: False, 16: False}
+    choice.completion_tokens = 5
+    choice.num_preemptions = MAX_PREEMPTIONS_PER_CHOICE
+    assert not runner._can_preempt(choice)
+    choice.num_preemptions = 0
+    worker.resumes_from_token_ids = False  # TGI, transformers serve, generic: only a choice without output
+    assert not runner._can_preempt(choice)
+    choice.completion_tokens = 0
+    assert runner._can_preempt(choice)
+    choice.stream.end()
+    assert not runner._can_preempt(choice)  # no longer running

@@ -76,3 +76,44 @@ async def test_a_cancelled_wait_leaves_no_waiter_behind():
     assert stream._waiter is None
     stream._push(TokenDelta("r1", [9]))
     assert (await stream.next_update(timeout_s=0.0)).token_ids == [9]
+
+
+async def test_one_timer_serves_waits_of_changing_length_and_stops_with_the_stream():
+    """The wait timer is armed once and moved only nearer: a short wait after a long one times out at its own
+    deadline; a long wait after a short one is not cut at the short one's; the stream's end cancels it."""
+    loop = asyncio.get_running_loop()
+    stream = make_stream()
+    long_wait = asyncio.create_task(stream.next_update(timeout_s=60.0))
+    await asyncio.sleep(0)
+    stream._push(TokenDelta("r1", [1]))
+    assert (await long_wait).token_ids == [1]
+    assert stream._timer is not None and stream._timer.when() > loop.time() + 50  # still armed for the long one
+
+    started = loop.time()
+    with pytest.raises(SluiceError) as info:
+        await stream.next_update(timeout_s=0.2)  # nearer than the armed timer: re-armed for it
+    assert info.value.code is ErrorCode.WORKER_TIMEOUT
+    assert 0.2 <= loop.time() - started < 5.0
+
+    short_wait = asyncio.create_task(stream.next_update(timeout_s=0.1))
+    await asyncio.sleep(0)
+    stream._push(TokenDelta("r1", [2]))
+    assert (await short_wait).token_ids == [2]  # the timer stays armed for 0.1 s from that wait
+    started = loop.time()
+    with pytest.raises(SluiceError):
+        await stream.next_update(timeout_s=0.5)  # the 0.1 s timer fires first and re-arms for the rest
+    assert 0.5 <= loop.time() - started < 5.0
+
+    waiting = asyncio.create_task(stream.next_update(timeout_s=60.0))
+    await asyncio.sleep(0)
+    assert stream._timer is not None
+    stream._finish(Finished("r1", "stop", 4, 0, 2))
+    assert stream._timer is None  # the end stops the timer: no timer per ended stream left in the loop
+    assert (await waiting).finished is not None
+    aborted = make_stream()
+    aborted_wait = asyncio.create_task(aborted.next_update(timeout_s=60.0))
+    await asyncio.sleep(0)
+    aborted.end()  # what WorkerClient.abort does
+    assert aborted._timer is None
+    aborted_wait.cancel()
+    await asyncio.gather(aborted_wait, return_exceptions=True)

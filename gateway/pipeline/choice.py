@@ -176,10 +176,16 @@ class ChoiceRunner:
         choice.matcher = StopStringMatcher(self.stop_strings)
 
     def ready(self, choice: ChoiceState) -> bool:
-        """Return whether :meth:`next_event` would return without waiting: an event is pending, the choice has
-        ended, or its worker's reply is in."""
-        stream = choice.stream
-        return bool(choice.pending) or choice.finish_reason is not None or (stream is not None and stream.has_unread)
+        """Return whether :meth:`next_event` returns an event or None without waiting: one is pending, or the choice
+        has ended. A worker reply that is in is taken now, since it may make no event (a token held back as the
+        start of a possible stop string, a character not complete yet): then the answer is False, not a wait on the
+        next reply. False also while a failure is in (:meth:`next_event` may retry or resume: a wait)."""
+        while not choice.pending and choice.finish_reason is None:
+            stream = choice.stream
+            if stream is None or not stream.has_unread or stream.failed:
+                return False
+            self._apply_update(choice, stream.take_update())
+        return True
 
     async def next_event(self, choice: ChoiceState) -> TextEvent | FinishEvent | None:
         """Return the choice's next :class:`TextEvent` or its :class:`FinishEvent`, then None.
@@ -252,15 +258,17 @@ class ChoiceRunner:
     def _can_preempt(self, choice: ChoiceState) -> bool:
         """Return whether the choice's running request may be stopped for a higher tier's now
         (``Ticket.can_preempt``): not when it is not running, already preempted :data:`MAX_PREEMPTIONS_PER_CHOICE`
-        times, fewer than :data:`MIN_TOKENS_LEFT_TO_PREEMPT` tokens from its output budget's end, with output on an
-        engine that cannot continue from token ids, with output not yet read (the counts below would be stale), or
+        times, decoding fewer than :data:`MIN_TOKENS_LEFT_TO_PREEMPT` tokens from its output budget's end (a short
+        answer's long prompt still counts: its slot frees only after it), with output on an engine that cannot
+        continue from token ids, with output not yet read (the counts below would be stale), or
         on a worker the gateway does not use now (stopping it frees no usable slot)."""
         stream, worker = choice.stream, choice.worker
         return not (stream is None or stream.done or stream.has_unread or worker is None
                     or not worker.preemptible_by_gateway or not worker.ready
                     or worker.breaker.state is BreakerState.OPEN
                     or choice.finish_reason is not None or choice.num_preemptions >= MAX_PREEMPTIONS_PER_CHOICE
-                    or self.max_tokens[choice.prompt_index] - choice.completion_tokens < MIN_TOKENS_LEFT_TO_PREEMPT
+                    or (choice.completion_tokens > 0 and self.max_tokens[choice.prompt_index]
+                        - choice.completion_tokens < MIN_TOKENS_LEFT_TO_PREEMPT)
                     or (choice.completion_tokens > 0 and not worker.resumes_from_token_ids))
 
     def _preempt(self, choice: ChoiceState) -> bool:
@@ -380,7 +388,10 @@ class ChoiceRunner:
 
     async def _read_update(self, choice: ChoiceState) -> None:
         """Wait for the attempt's next reply; turn it into the choice's pending events (text, then its end)."""
-        update = await self._next_update(choice)
+        self._apply_update(choice, await self._next_update(choice))
+
+    def _apply_update(self, choice: ChoiceState, update: StreamUpdate) -> None:
+        """Turn one reply of the attempt's worker into the choice's pending events (text, then its end)."""
         if update.token_ids or update.text:
             if choice.completion_tokens == 0:
                 self.pool.record_success(choice.reservation)

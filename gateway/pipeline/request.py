@@ -125,7 +125,7 @@ class RequestPipeline:
         openai_api.check_unsupported(body)
         return body
 
-    async def tokenize(self, kind: Kind, body: OpenAIRequest) -> list[list[int]]:
+    async def tokenize(self, kind: Kind, body: OpenAIRequest, context_tokens: int | None = None) -> list[list[int]]:
         """Return the prompts' token ids: the chat template applied to the messages, or the completion prompts
         (strings tokenized, token ids checked).
 
@@ -133,12 +133,17 @@ class RequestPipeline:
         ``tokenizer.max_token_bytes`` tokens, so one that long is refused before encoding; the others are encoded
         under the bound of the context (``Tokenizer``'s probe stops early on a dense text past it).
 
+        Args:
+            context_tokens: the context to check against; None = what the model's pool gives now (its ready
+                workers' context and KV, else ``model.max_model_len_tokens``).
+
         Raises:
             SluiceError: 400 for too many, empty or out-of-vocabulary prompts; 400 ``context_length_exceeded`` for
                 a text prompt that leaves no room for output (the exact check of token prompts is the cap step's).
         """
-        context_tokens = self.fleet.runtime_for_model(body.model).pool.max_model_len_tokens(
-            self.config.model.max_model_len_tokens)
+        if context_tokens is None:  # the context the pool's ready workers give now
+            context_tokens = self.fleet.runtime_for_model(body.model).pool.max_model_len_tokens(
+                self.config.model.max_model_len_tokens)
         if isinstance(body, openai_api.ChatCompletionRequest):
             messages = openai_api.chat_messages(body)
             num_bytes = sum(len(m["content"].encode()) for m in messages)
@@ -241,16 +246,20 @@ class RequestPipeline:
         return build(plan.response_id, int(time.time()), plan.model_name, texts, finish_reasons,
                      generation.usage().to_dict(), logprobs)
 
-    def _caps(self, kind: Kind, body: OpenAIRequest, runtime: PoolRuntime, tier: str,
-              prompt_ids: list[list[int]]) -> list[CapDecision]:
+    def _caps(self, kind: Kind, body: OpenAIRequest, runtime: PoolRuntime, tier: str, prompt_ids: list[list[int]],
+              context_tokens: int | None = None) -> list[CapDecision]:
         """Return each prompt's output cap on ``runtime``'s pool in ``tier``.
 
+        Args:
+            context_tokens: the context; None = the longest sequence the pool's KV can give the tier now.
+
         Raises:
-            SluiceError: 400 ``context_length_exceeded`` for a prompt past the longest sequence the pool's KV can
-                ever give the tier (a 400 now, not a wait), ``invalid_value`` for ``max_tokens`` below 1.
+            SluiceError: 400 ``context_length_exceeded`` for a prompt past the context (a 400 now, not a wait),
+                ``invalid_value`` for ``max_tokens`` below 1.
         """
-        context_tokens = runtime.pool.max_model_len_tokens(
-            self.config.model.max_model_len_tokens, runtime.capper.reserved_kv_fraction_above(tier))
+        if context_tokens is None:
+            context_tokens = runtime.pool.max_model_len_tokens(
+                self.config.model.max_model_len_tokens, runtime.capper.reserved_kv_fraction_above(tier))
         requested = openai_api.requested_max_tokens(body)
         prompt_param = "messages" if kind == "chat" else "prompt"
         return [runtime.capper.cap(tier, requested, len(ids), param=_max_tokens_param(body),
@@ -258,16 +267,18 @@ class RequestPipeline:
                 for ids in prompt_ids]
 
     async def check(self, kind: Kind, raw_body: bytes, tier: str) -> None:
-        """Run the steps before admission that need no client, as if the request were sent now in ``tier`` on its
-        model's pool (no degrade routing): parse, tokenize, cap. The job endpoint's check at submission, so a
-        prompt past the context is a 400 then, not a job that fails when it runs.
+        """Run the steps before admission that need no client against the configured context
+        (``model.max_model_len_tokens``): parse, tokenize, cap in ``tier``. The job endpoint's check at submission:
+        a prompt that can never fit is a 400 then, not a job that fails when it runs. Not the context the ready
+        workers give now: a job waits out a time when fewer or smaller workers are up.
 
         Raises:
             SluiceError: as :meth:`parse`, :meth:`tokenize` and :meth:`plan` (4xx naming the field).
         """
         body = self.parse(kind, raw_body)
-        prompt_ids = await self.tokenize(kind, body)
-        self._caps(kind, body, self.fleet.runtime_for_model(body.model), tier, prompt_ids)
+        context_tokens = self.config.model.max_model_len_tokens
+        prompt_ids = await self.tokenize(kind, body, context_tokens)
+        self._caps(kind, body, self.fleet.runtime_for_model(body.model), tier, prompt_ids, context_tokens)
 
     async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
                              on_admitted: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -87,6 +87,12 @@ class RequestStream:
         """Replies arrived that :meth:`next_update` has not returned yet."""
         return self._has_update
 
+    @property
+    def failed(self) -> bool:
+        """The worker failed the request (or it was preempted); :meth:`next_update` raises it once the tokens before
+        it were returned."""
+        return self._error is not None
+
     def _started(self) -> None:
         if self.reservation is not None:
             self.worker.prefill_started(self.reservation)
@@ -143,6 +149,14 @@ class RequestStream:
         """
         if not self._has_update:
             await self._wait(timeout_s)
+        return self.take_update()
+
+    def take_update(self) -> StreamUpdate:
+        """Return what arrived since the last look, without waiting (an empty update when nothing did).
+
+        Raises:
+            SluiceError: the worker's failure, once every token that came before it was returned.
+        """
         self._has_update = False
         token_ids, self._token_ids = self._token_ids, []
         latency_ms, self._first_token_latency_ms = self._first_token_latency_ms, None

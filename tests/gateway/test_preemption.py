@@ -172,8 +172,8 @@ async def test_the_predicted_wait_counts_a_slot_a_higher_tier_can_stop_as_free()
 
 def test_the_owner_refuses_a_stop_near_the_end_of_the_output_budget_or_past_its_preemptions():
     """ChoiceRunner._can_preempt, the owner's side (no side effects): a running choice on an upstream may be stopped
-    while at least MIN_TOKENS_LEFT_TO_PREEMPT tokens of its budget are left and it was stopped fewer than
-    MAX_PREEMPTIONS_PER_CHOICE times."""
+    while it has no output yet or at least MIN_TOKENS_LEFT_TO_PREEMPT tokens of its budget are left, and it was
+    stopped fewer than MAX_PREEMPTIONS_PER_CHOICE times."""
     worker = SimpleNamespace(name="upstream-0", preemptible_by_gateway=True, ready=True, resumes_from_token_ids=True,
                              breaker=CircuitBreaker(3, 1.0))
     runner = ChoiceRunner(request_id="r", prompts=[[1, 2, 3]], max_tokens=[16], sampling=SamplingParams(),
@@ -198,3 +198,10 @@ def test_the_owner_refuses_a_stop_near_the_end_of_the_output_budget_or_past_its_
     assert runner._can_preempt(choice)
     choice.stream.end()
     assert not runner._can_preempt(choice)  # no longer running
+    # a short answer's prompt may be long: before its first token the rule of the budget's end does not apply
+    runner.max_tokens = [2]
+    choice.stream = RequestStream("r-0", worker)
+    worker.resumes_from_token_ids = True
+    assert runner._can_preempt(choice)
+    choice.completion_tokens = 1
+    assert not runner._can_preempt(choice)

@@ -154,6 +154,7 @@ class AdmissionController(Generic[ReservationT]):
         self._shedder = Shedder(self._queues, self._waits, self._arrival, self.pressure, view,
                                 self._dispatcher.dispatch, clock)
         self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first admit
         # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``),
         # counted against
         # the tier's queue_capacity at arrival; the default: this gateway alone
@@ -262,7 +263,10 @@ class AdmissionController(Generic[ReservationT]):
         timeout_s = (
             self.pressure.queue_timeout_s(ticket.tier.name, ticket.tier.queue_timeout_s) if self._enabled else math.inf
         )
-        future: asyncio.Future[ReservationT] = asyncio.get_running_loop().create_future()
+        loop = self._loop  # kept: asking for the running loop costs a getpid system call on Python 3.11
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[ReservationT] = loop.create_future()
         try:
             self._arrival.check(ticket, queue, self._draining)
             ticket.enqueued_s = self._clock()

@@ -93,6 +93,7 @@ class WorkerClient:
         self._on_capacity = on_capacity
         self._writer: asyncio.StreamWriter | None = None
         self._outbox: list[bytes] = []  # frames queued in this event-loop iteration (see _send)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop, from its first open
         self._codec = gateway_codec()
         self._streams: dict[str, RequestStream] = {}
         self._ready = asyncio.Event()
@@ -271,9 +272,8 @@ class WorkerClient:
         """Queue one encoded frame for the worker. The frames queued in one event-loop iteration leave together,
         in order, in one write at the end of it (one system call for a burst of dispatches and aborts instead of
         one each); without a running loop (shutdown) the frame is written at once."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
+        loop = self._loop
+        if loop is None or not loop.is_running():
             self._write([frame])
             return
         self._outbox.append(frame)
@@ -293,6 +293,7 @@ class WorkerClient:
     # ------------------------------------------------------------------ connection
 
     def _on_open(self, writer: asyncio.StreamWriter, codec: FrameCodec, hello: Hello) -> None:
+        self._loop = asyncio.get_running_loop()  # kept: asking for it per frame costs a getpid call on Python 3.11
         self._codec = codec
         self._writer = writer
         self.num_connections += 1

@@ -110,6 +110,7 @@ class WorkerPool:
         self.on_change = on_change
         self._client_change_scheduled = False
         self._last_hashes: _PromptHashes | None = None  # see _prompt_hashes
+        self._loop: asyncio.AbstractEventLoop | None = None  # see _client_changed
         for client in clients:
             client.on_change = self._client_changed
 
@@ -129,11 +130,13 @@ class WorkerPool:
         Without a running loop, at once."""
         if self._client_change_scheduled:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._changed()
-            return
+        loop = self._loop  # kept: asking for the running loop costs a getpid system call on Python 3.11
+        if loop is None or not loop.is_running():
+            try:
+                loop = self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._changed()
+                return
         self._client_change_scheduled = True
         loop.call_soon(self._run_client_change)
 

@@ -79,6 +79,7 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None  # next_update is waiting on it
         self._deadline_s = 0.0  # loop.time() when the current wait times out
         self._timer: asyncio.TimerHandle | None = None  # fires at or before _deadline_s (see _wait)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first wait
         self.done = False  # the worker will send nothing more (finished, failed or aborted)
         self.reservation: Reservation | None = None  # set by start_request: its prefill backlog entry
 
@@ -187,7 +188,9 @@ class RequestStream:
             SluiceError: ``worker_timeout`` when nothing arrived within ``timeout_s``.
         """
         if timeout_s > 0:
-            loop = asyncio.get_running_loop()
+            loop = self._loop  # kept: asking for the running loop costs a getpid system call on Python 3.11
+            if loop is None or not loop.is_running():
+                loop = self._loop = asyncio.get_running_loop()
             self._deadline_s = loop.time() + timeout_s
             timer = self._timer
             if timer is None or timer.when() > self._deadline_s:

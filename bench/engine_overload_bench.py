@@ -22,7 +22,9 @@ the gateway: on this 2-core CPU a 256-token prompt alone takes about 1 s to its 
 left nothing to schedule. Why 2×: a top-tier request that finds the engine's slots busy shares each step with their
 decodes, so its own prefill runs at about half the idle speed at best; 2× the idle TTFT is the least a scheduler
 that never queues the top tier can promise. ``--slo-vip-s`` / ``--slo-other-s`` fix them instead. Writes
-``bench/results/engine_overload.json``. Targets: vip attainment ≥ 99% through Sluice; goodput ≥ 1.5× direct.
+``bench/results/engine_overload.json`` and, under ``bench/results/engine_overload/``, each replay's latency over
+time (``direct_latency.png``, ``sluice_latency.png``) and Sluice's queues (``sluice_queue.png``). Targets: vip
+attainment ≥ 99% through Sluice; goodput ≥ 1.5× direct.
 
     .venv/bin/python -m bench.engine_overload_bench --llama-server /work/peers/llama-server \\
         [--requests 120] [--multiple 2] [--parallel 4]
@@ -48,6 +50,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 
 from bench.serving_bench import LLAMA_SERVER_ARGS, llama_server  # noqa: E402
+from loadtest.plots import plot_latency, plot_queue_depth  # noqa: E402
 from loadtest.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from loadtest.replay import ReplayOptions, clipped_input_tokens, prepare_requests, run_replay  # noqa: E402
 from loadtest.sizing import rate_scale_for  # noqa: E402
@@ -61,6 +64,7 @@ OTHER_SLO_FACTOR = 5.0  # standard's and free's
 MIN_SLO_TTFT_S = {"vip": 1.0, "standard": 5.0, "free": 5.0}
 DEADLINE_FRACTION_OF_SLO = 0.8  # each tier's queue deadline as a share of its TTFT SLO (as bench/replay_bench.py)
 RESULT_PATH = REPO / "bench" / "results" / "engine_overload.json"
+PLOT_DIR = REPO / "bench" / "results" / "engine_overload"
 
 
 def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], multiple: float) -> str:
@@ -150,13 +154,23 @@ def slos_for(ttfts_s: list[float], vip_s: float | None, other_s: float | None) -
 
 
 def replay_summary(base_url: str, requests, builder: PromptBuilder, max_input_tokens: int, salt: int,
-                   drain_timeout_s: float, slo_ttft_s: dict[str, float]) -> dict:
+                   drain_timeout_s: float, slo_ttft_s: dict[str, float], plot_dir: str = "", name: str = "",
+                   title: str = "") -> dict:
+    """Replay ``requests`` at ``base_url``; print and return the per-tier summary; with ``plot_dir``, write
+    ``<name>_latency.png`` (TTFT and end-to-end over time per tier, the SLOs dashed, rejections marked) and, where
+    ``/status`` answered (Sluice), ``<name>_queue.png`` (queue depth per tier)."""
     options = ReplayOptions(base_url, slo_ttft_s, prompt_salt=salt, max_input_tokens=max_input_tokens,
                             drain_timeout_s=drain_timeout_s, status_interval_s=1.0)
     run = asyncio.run(run_replay(list(requests), options, builder))
     summary = summarize(run.results, slo_ttft_s)
     print(format_table(summary))
-    return {"wall_s": round(run.wall_s, 2), "summary": summary}
+    plots = []
+    if plot_dir:
+        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        plots.append(plot_latency(run.results, Path(plot_dir) / f"{name}_latency.png", slo_ttft_s, title))
+        if run.status_samples:
+            plots.append(plot_queue_depth(run.status_samples, Path(plot_dir) / f"{name}_queue.png", title))
+    return {"wall_s": round(run.wall_s, 2), "summary": summary, "plots": [str(p) for p in plots]}
 
 
 def vip_alone_bound(requests, max_input_tokens: int, probe_inputs: list[int], probe_ttfts_s: list[float],
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-s", type=float, default=0.0, help="trace time the window starts at")
     parser.add_argument("--output", default=str(RESULT_PATH))
     parser.add_argument("--gateway-dir", default="", help="keep the gateway's config and log in this folder")
+    parser.add_argument("--plot-dir", default=str(PLOT_DIR), help="PNG plots of both replays ('' for none)")
     args = parser.parse_args(argv)
 
     builder = PromptBuilder(load_tokenizer())
@@ -237,11 +252,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vip attainment bound (the engine prefilling vip prompts alone, back to back): "
                   f"{bound['met']}/{bound['count']}, slowest vip TTFT {bound['ttft_max_s']} s")
             print("(a) straight at llama-server")
+            window = f"Azure conv, {len(requests)} requests at {args.multiple:g}x llama-server's capacity"
             direct = replay_summary(llama_url, requests, builder, args.max_input_tokens, 1, args.drain_timeout_s,
-                                    slo_ttft_s)
+                                    slo_ttft_s, args.plot_dir, "direct", f"{window}, straight at it")
             print("(b) through Sluice")
             sluice = replay_summary(gateway.base_url, requests, builder, args.max_input_tokens, 2,
-                                    args.drain_timeout_s, slo_ttft_s)
+                                    args.drain_timeout_s, slo_ttft_s, args.plot_dir, "sluice",
+                                    f"{window}, through Sluice")
             _, status = get_json(gateway.base_url + "/status")
             sluice["preempted"] = {tier: stats.get("preempted", 0)
                                    for tier, stats in status["admission"]["tiers"].items()}

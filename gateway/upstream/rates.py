@@ -3,22 +3,27 @@
 Admission predicts waits from how fast the pool drains prompt + output tokens per busy second
 (``Capacity.busy_tokens_per_s``) and how fast one running sequence decodes. A worker of ours measures them per
 engine step; an upstream gives cumulative counters (or none: then the gateway counts the tokens it streamed itself).
-Between two polls while the engine was busy, the counter increase ÷ elapsed seconds is one sample; samples are
-smoothed exponentially with time constant :data:`RATE_TIME_CONSTANT_S`, and idle intervals leave the rates as they
-were (a rate is what the engine does when it works).
+
+Engines count at different moments: vLLM and SGLang add tokens every step, llama.cpp adds a request's prompt
+tokens when its prompt is done and its output tokens only when the request ends (``llamacpp:tokens_predicted_total``
+stands still through a whole answer, then jumps). So a reading while the engine is busy but its counters have not
+moved is no sample of zero: the span goes on until they move, and the tokens they gained are spread over all of it.
+The rates are the tokens of the spans that ended in the last :data:`RATE_WINDOW_S` seconds ÷ those spans' seconds (a
+ratio of sums: staggered ends of long answers average out, where a mean of per-span ratios would swing with each
+jump); idle time is in no span and leaves the rates as they were (a rate is what the engine does when it works).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-RATE_TIME_CONSTANT_S = 2.0
+RATE_WINDOW_S = 10.0  # seconds of busy spans the rates average over (a few request ends on a slow CPU engine)
 
 
 @dataclass
 class UpstreamRates:
-    """Smoothed prompt and output tokens/s of one upstream while busy.
+    """Prompt and output tokens/s of one upstream while busy.
 
     Attributes:
         prefill_tokens_per_s: prompt tokens per busy second (0.0 until measured).
@@ -30,6 +35,7 @@ class UpstreamRates:
     _last_at_s: float | None = None
     _last_prompt_total: float = 0.0
     _last_generation_total: float = 0.0
+    _spans: deque[tuple[float, float, float, float]] = field(default_factory=deque)  # end, seconds, prompt, output
 
     def observe(self, now_s: float, prompt_total: float, generation_total: float, busy: bool) -> None:
         """Take one reading of the cumulative counters (tokens since start) at monotonic time ``now_s``.
@@ -40,17 +46,20 @@ class UpstreamRates:
         last_at_s = self._last_at_s
         d_prompt = prompt_total - self._last_prompt_total
         d_generation = generation_total - self._last_generation_total
+        restarted = last_at_s is None or now_s <= last_at_s or d_prompt < 0 or d_generation < 0
+        moved = d_prompt > 0 or d_generation > 0
+        if busy and not moved and not restarted:
+            return  # busy, nothing counted yet: the span goes on
         self._last_at_s, self._last_prompt_total, self._last_generation_total = now_s, prompt_total, generation_total
-        if last_at_s is None or now_s <= last_at_s or d_prompt < 0 or d_generation < 0:
-            return  # the first reading, or the engine restarted (counters went back)
-        if not busy and d_prompt == 0 and d_generation == 0:
-            return
-        dt_s = now_s - last_at_s
-        weight = 1.0 - math.exp(-dt_s / RATE_TIME_CONSTANT_S)
-        if self.decode_tokens_per_s == 0.0 and self.prefill_tokens_per_s == 0.0:
-            weight = 1.0
-        self.prefill_tokens_per_s += weight * (d_prompt / dt_s - self.prefill_tokens_per_s)
-        self.decode_tokens_per_s += weight * (d_generation / dt_s - self.decode_tokens_per_s)
+        if restarted or not moved:
+            return  # the first reading, the engine restarted (counters went back), or idle: a new span starts
+        spans = self._spans
+        spans.append((now_s, now_s - last_at_s, d_prompt, d_generation))
+        while len(spans) > 1 and spans[0][0] < now_s - RATE_WINDOW_S:
+            spans.popleft()
+        seconds = sum(span[1] for span in spans)
+        self.prefill_tokens_per_s = sum(span[2] for span in spans) / seconds
+        self.decode_tokens_per_s = sum(span[3] for span in spans) / seconds
 
     @property
     def busy_tokens_per_s(self) -> float:

@@ -62,6 +62,27 @@ def test_rates_come_from_counter_increases_while_busy():
     assert rates.busy_tokens_per_s == 500.0
 
 
+def test_counters_that_move_only_when_a_request_ends_are_spread_over_the_busy_span():
+    """llama.cpp adds a request's output tokens to llamacpp:tokens_predicted_total when the request ends: readings
+    while it answers are no samples of zero, and the jump is spread over the whole busy span."""
+    rates = UpstreamRates()
+    rates.observe(0.0, 0, 0, busy=False)
+    for t in (0.25, 0.5, 1.0, 2.0, 3.75):  # one request answers for 4 s; its prompt was counted at 0.5 s
+        rates.observe(t, 100 if t >= 0.5 else 0, 0, busy=True)
+    assert rates.prefill_tokens_per_s == 200.0  # 100 prompt tokens in the span 0 → 0.5 s
+    assert rates.decode_tokens_per_s == 0.0  # nothing counted of the answer yet, and no zero sample either
+    rates.observe(4.0, 100, 200, busy=True)  # the answer ends: 200 tokens over 0.5 → 4.0 s
+    assert rates.decode_tokens_per_s == 200 / 4.0  # the window's spans: 0 → 0.5 s and 0.5 → 4.0 s
+    # staggered ends of answers that ran side by side: the window's tokens ÷ its busy seconds
+    for t, generated in ((6.0, 200 + 300), (8.0, 200 + 300 + 100)):
+        rates.observe(t, 100, generated, busy=True)
+    assert rates.decode_tokens_per_s == (200 + 300 + 100) / 8.0
+    # spans that ended more than RATE_WINDOW_S ago leave the average (the last one always stays)
+    rates.observe(30.0, 100, 600, busy=False)  # idle: no span
+    rates.observe(31.0, 200, 700, busy=True)
+    assert (rates.prefill_tokens_per_s, rates.decode_tokens_per_s) == (100.0, 100.0)
+
+
 @pytest.mark.parametrize(("data", "expected"), [
     ('{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}', UpstreamDelta()),
     ('{"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', UpstreamDelta("Hi")),

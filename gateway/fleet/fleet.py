@@ -235,8 +235,9 @@ class Fleet:
         """Return the served model ids, one per pool, in config order (duplicates once)."""
         return list(dict.fromkeys(runtime.config.model_name for runtime in self.runtimes.values()))
 
-    def route(self, model: str, tier: TierConfig) -> Route:
-        """Pick the pool of a request: its model's, or its tier's ``degrade_pool`` under the configured pressure.
+    def route(self, model: str, tier: TierConfig, logprobs: bool = False) -> Route:
+        """Pick the pool of a request: its model's, or its tier's ``degrade_pool`` under the configured pressure
+        (not a pool of upstream engines for a request that wants ``logprobs``: they are not passed through).
 
         Raises:
             SluiceError: ``model_not_found`` for an unknown model.
@@ -244,8 +245,8 @@ class Fleet:
         requested = self.runtime_for_model(model)
         if tier.degrade_pool and tier.degrade_pool != requested.name and self.config.admission.enabled:
             threshold = PressureLevel[tier.degrade_at.upper()]
-            if requested.pressure.level >= threshold:
-                target = self.runtimes[tier.degrade_pool]
+            target = self.runtimes[tier.degrade_pool]
+            if requested.pressure.level >= threshold and not (logprobs and target.config.backend == "openai"):
                 target.degraded_in[tier.name] += 1
                 self.degraded[(tier.name, target.name)] += 1
                 return Route(target, True, requested)

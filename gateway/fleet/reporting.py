@@ -47,7 +47,7 @@ class FleetReport:
             for entry in runtime.pool.status():
                 entry.pool = runtime.name
                 entry.local = entry.name in states
-                entry.state = states.get(entry.name, "ready" if entry.ready else "starting")
+                entry.state = states.get(entry.name, entry.state)
                 out.append(entry)
         return out
 

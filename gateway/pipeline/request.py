@@ -199,8 +199,9 @@ class RequestPipeline:
         if n > config.gateway.max_n:
             raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
-        route = self.fleet.route(body.model, principal.tier)
+        route = self.fleet.route(body.model, principal.tier, openai_api.logprobs_wanted(body)[0])
         runtime = route.runtime
+        _check_logprobs(body, runtime)
         caps = self._caps(kind, body, runtime, principal.tier.name, prompt_ids)
         generation = Generation(
             request_id=request_id, prompts=prompt_ids, max_tokens=[cap.max_tokens for cap in caps], n=n,
@@ -276,9 +277,11 @@ class RequestPipeline:
             SluiceError: as :meth:`parse`, :meth:`tokenize` and :meth:`plan` (4xx naming the field).
         """
         body = self.parse(kind, raw_body)
+        runtime = self.fleet.runtime_for_model(body.model)
+        _check_logprobs(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens
         prompt_ids = await self.tokenize(kind, body, context_tokens)
-        self._caps(kind, body, self.fleet.runtime_for_model(body.model), tier, prompt_ids, context_tokens)
+        self._caps(kind, body, runtime, tier, prompt_ids, context_tokens)
 
     async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
                              on_admitted: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -309,6 +312,15 @@ class RequestPipeline:
             return await self.collect(plan)
         finally:
             plan.generation.close()
+
+
+def _check_logprobs(body: OpenAIRequest, runtime: PoolRuntime) -> None:
+    """Raise 400 naming ``logprobs`` when the request wants them from a pool of upstream engines (``gateway.upstream``
+    streams their text, not their log-probabilities), rather than answer with none."""
+    if openai_api.logprobs_wanted(body)[0] and runtime.config.backend == "openai":
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"logprobs are not available from model '{body.model}': its pool "
+                          f"'{runtime.name}' is an upstream engine, whose log-probabilities this gateway does not pass "
+                          "through", param="logprobs")
 
 
 def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail: str = "") -> SluiceError:

@@ -47,8 +47,11 @@ class WorkerStatus(msgspec.Struct):
         connections: connections made so far.
         hello, capacity: its last ``Hello`` and ``Capacity`` fields (None before the first).
         capacity_age_s: seconds since the last capacity report.
-        pool, local, state: the pool it serves, whether this gateway spawned it, and its state there (set by the
-            fleet; ``""`` / False from a bare pool).
+        state: ``ready``; ``starting`` (no Hello yet, or an upstream not polled yet); ``draining``; ``down``
+            (it said Hello once and is unreachable now); the fleet puts a local worker process's own state here.
+        not_ready_reason: why it takes no request now (``/readyz``'s words), None when it does.
+        pool, local: the pool it serves and whether this gateway spawned it (set by the fleet; ``""`` / False from
+            a bare pool).
     """
 
     name: str
@@ -65,9 +68,10 @@ class WorkerStatus(msgspec.Struct):
     hello: dict[str, Any] | None
     capacity: dict[str, Any] | None
     capacity_age_s: float | None
+    state: str = ""
+    not_ready_reason: str | None = None
     pool: str = ""
     local: bool = False
-    state: str = ""
 
 
 class _PromptHashes:
@@ -394,6 +398,19 @@ class WorkerPool:
                 hello=msgspec.structs.asdict(c.hello) if c.hello else None,
                 capacity=msgspec.structs.asdict(c.capacity) if c.capacity else None,
                 capacity_age_s=round(now_s - c.capacity_at_s, 3) if c.capacity else None,
+                state=_worker_state(c),
+                not_ready_reason=c.not_ready_reason(),
             )
             for c in self.clients
         ]
+
+
+def _worker_state(client: WorkerClient) -> str:
+    """Return ``WorkerStatus.state`` of a worker as this pool sees it."""
+    if client.ready:
+        return "ready"
+    if client.hello is None:
+        return "starting"
+    if client.draining or (client.capacity is not None and client.capacity.draining):
+        return "draining"
+    return "down"

@@ -219,7 +219,9 @@ def test_engine_killed_mid_stream_is_an_in_band_error_then_the_breaker_opens_and
 
     body = wait_for(readyz_says_why, 30.0, "/readyz to report the open breaker")
     assert "unreachable" in body["error"]["message"] and upstream.base_url in body["error"]["message"]
-    assert upstream_status(gateway)["breaker"]["state"] == "open"
+    worker = upstream_status(gateway)
+    assert worker["breaker"]["state"] == "open"
+    assert worker["state"] == "down" and "unreachable" in worker["not_ready_reason"]  # /status says so too
     status, body = post_json(gateway.base_url + "/v1/chat/completions", {"model": MODEL, "messages": PROMPT})
     assert status == 503 and body["error"]["code"] == "no_worker_available"
 

@@ -218,3 +218,27 @@ async def test_the_choices_of_one_lower_tier_request_all_run_though_lower_tiers_
         await client.close()
     assert [c.message.content for c in answer.choices] == ["w0 w1 w2 w3 "] * 2
     assert answer.usage.completion_tokens == 8
+
+
+async def test_logprobs_from_an_upstream_pool_are_a_400_naming_the_field_and_the_engine_is_not_called(
+        engine, tmp_path):
+    """The gateway streams an upstream's text, not its log-probabilities: asking for them is a 400 (chat,
+    completions, a job at submission), never an answer with an empty logprobs list."""
+    messages = [{"role": "user", "content": "Say some words."}]
+    with sluice_serve(tmp_path, gateway_config(engine), min_ready_workers=0) as server:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        calls = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True),
+                 client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True,
+                                                top_logprobs=2, stream=True),
+                 client.completions.create(model=MODEL, prompt="Say", max_tokens=4, logprobs=2)]
+        for call in calls:
+            with pytest.raises(openai.BadRequestError) as info:
+                await call
+            assert info.value.body["param"] == "logprobs", info.value.body
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.post("/jobs", cast_to=object, body={"model": MODEL, "messages": messages, "logprobs": True})
+        assert info.value.body["param"] == "logprobs"
+        answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        await client.close()
+    assert answer.choices[0].message.content == "w0 w1 "
+    assert len(engine.requests) == 1  # only the last one reached the engine

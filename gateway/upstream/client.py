@@ -341,14 +341,7 @@ class UpstreamClient(WorkerClient):
         if snapshot.prompt_tokens_total is not None and snapshot.generation_tokens_total is not None:
             self._rates.observe(time.monotonic(), snapshot.prompt_tokens_total, snapshot.generation_tokens_total,
                                 busy)
-        if None not in (snapshot.prompt_tokens_total, snapshot.prompt_seconds_total,
-                        snapshot.generation_tokens_total, snapshot.generation_seconds_total):
-            self._rates.observe_sequence_seconds(time.monotonic(), snapshot.prompt_tokens_total,
-                                                 snapshot.prompt_seconds_total, snapshot.generation_tokens_total,
-                                                 snapshot.generation_seconds_total)
-        if self._rates.sequence_decode_tokens_per_s > 0:
-            self._sequence_decode_tokens_per_s = self._rates.sequence_decode_tokens_per_s
-        elif snapshot.num_running > 0 and self._rates.decode_tokens_per_s > 0:
+        if snapshot.num_running > 0 and self._rates.decode_tokens_per_s > 0:
             self._sequence_decode_tokens_per_s = self._rates.decode_tokens_per_s / snapshot.num_running
         if self.hello is None:
             self.hello = self._make_hello(snapshot)
@@ -370,8 +363,7 @@ class UpstreamClient(WorkerClient):
             num_running=snapshot.num_running, num_waiting=snapshot.num_waiting,
             decode_tokens_per_s=decode, prefill_tokens_per_s=prefill,
             sequence_decode_tokens_per_s=self._sequence_decode_tokens_per_s,
-            sequence_prefill_tokens_per_s=rates.sequence_prefill_tokens_per_s or prefill,
-            busy_tokens_per_s=rates.busy_tokens_per_s or prefill + decode)
+            sequence_prefill_tokens_per_s=prefill, busy_tokens_per_s=rates.busy_tokens_per_s or prefill + decode)
         self.capacity_at_s = time.time()
         if self._on_capacity is not None:
             self._on_capacity(self.name, self.capacity)

@@ -46,9 +46,6 @@ class EngineSnapshot:
         generation_tokens_total: output tokens generated since start (a counter); None when not reported.
         kv_capacity_tokens: KV cache size in tokens when the engine reports it (SGLang's ``max_total_num_tokens``);
             None otherwise.
-        prompt_seconds_total, generation_seconds_total: seconds the engine spent on prompts and on generating,
-            summed over its requests (llama.cpp's ``prompt_seconds_total``, ``tokens_predicted_seconds_total``);
-            tokens ÷ these seconds is how fast one sequence goes. None when not reported.
         reported_prefill_tokens_per_s, reported_decode_tokens_per_s: throughputs the engine computes itself
             (llama.cpp's ``prompt_tokens_seconds`` and ``predicted_tokens_seconds``, SGLang's ``gen_throughput``);
             None when it does not. The client uses them until its own counter-based rates exist.
@@ -60,8 +57,6 @@ class EngineSnapshot:
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
     kv_capacity_tokens: int | None = None
-    prompt_seconds_total: float | None = None
-    generation_seconds_total: float | None = None
     reported_prefill_tokens_per_s: float | None = None
     reported_decode_tokens_per_s: float | None = None
 
@@ -136,8 +131,6 @@ def parse_llamacpp(text: str) -> EngineSnapshot:
         kv_used_fraction=_first(values, "llamacpp:kv_cache_usage_ratio"),
         prompt_tokens_total=_first(values, "llamacpp:prompt_tokens_total"),
         generation_tokens_total=_first(values, "llamacpp:tokens_predicted_total"),
-        prompt_seconds_total=_first(values, "llamacpp:prompt_seconds_total"),
-        generation_seconds_total=_first(values, "llamacpp:tokens_predicted_seconds_total"),
         reported_prefill_tokens_per_s=_first(values, "llamacpp:prompt_tokens_seconds"),
         reported_decode_tokens_per_s=_first(values, "llamacpp:predicted_tokens_seconds"),
     )

@@ -11,11 +11,6 @@ moved is no sample of zero: the span goes on until they move, and the tokens the
 The rates are the tokens of the spans that ended in the last :data:`RATE_WINDOW_S` seconds ÷ those spans' seconds (a
 ratio of sums: staggered ends of long answers average out, where a mean of per-span ratios would swing with each
 jump); idle time is in no span and leaves the rates as they were (a rate is what the engine does when it works).
-
-One sequence's speeds (what a request holding a slot gets) come from engines that count the seconds they spent on
-prompts and on generating, summed over requests (llama.cpp): the tokens those counters gained in the window ÷ the
-seconds they gained (:meth:`UpstreamRates.observe_sequence_seconds`). Elsewhere the client divides the busy rates
-by the running requests.
 """
 
 from __future__ import annotations
@@ -41,10 +36,6 @@ class UpstreamRates:
     _last_prompt_total: float = 0.0
     _last_generation_total: float = 0.0
     _spans: deque[tuple[float, float, float, float]] = field(default_factory=deque)  # end, seconds, prompt, output
-    sequence_prefill_tokens_per_s: float = 0.0
-    sequence_decode_tokens_per_s: float = 0.0
-    _last_sequence_totals: tuple[float, float, float, float] | None = None
-    _sequence_gains: deque[tuple[float, float, float, float, float]] = field(default_factory=deque)
 
     def observe(self, now_s: float, prompt_total: float, generation_total: float, busy: bool) -> None:
         """Take one reading of the cumulative counters (tokens since start) at monotonic time ``now_s``.
@@ -69,31 +60,6 @@ class UpstreamRates:
         seconds = sum(span[1] for span in spans)
         self.prefill_tokens_per_s = sum(span[2] for span in spans) / seconds
         self.decode_tokens_per_s = sum(span[3] for span in spans) / seconds
-
-    def observe_sequence_seconds(self, now_s: float, prompt_total: float, prompt_seconds_total: float,
-                                 generation_total: float, generation_seconds_total: float) -> None:
-        """Take one reading of the token counters with the engine's seconds counters (seconds spent on prompts and on
-        generating, summed over requests); update :attr:`sequence_prefill_tokens_per_s` and
-        :attr:`sequence_decode_tokens_per_s` from what they gained in the last :data:`RATE_WINDOW_S` seconds."""
-        totals = (prompt_total, prompt_seconds_total, generation_total, generation_seconds_total)
-        last, self._last_sequence_totals = self._last_sequence_totals, totals
-        if last is None:
-            return
-        gains = tuple(now - before for now, before in zip(totals, last))
-        if any(gain < 0 for gain in gains):
-            return  # the engine restarted
-        if not any(gains):
-            return
-        window = self._sequence_gains
-        window.append((now_s, *gains))
-        while len(window) > 1 and window[0][0] < now_s - RATE_WINDOW_S:
-            window.popleft()
-        prompt_seconds = sum(g[2] for g in window)
-        generation_seconds = sum(g[4] for g in window)
-        if prompt_seconds > 0:
-            self.sequence_prefill_tokens_per_s = sum(g[1] for g in window) / prompt_seconds
-        if generation_seconds > 0:
-            self.sequence_decode_tokens_per_s = sum(g[3] for g in window) / generation_seconds
 
     @property
     def busy_tokens_per_s(self) -> float:

@@ -25,8 +25,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics"
     ("vllm_v0.txt", "vllm", EngineSnapshot(2, 0, 0.07, 1234.0, 5678.0)),  # gpu_cache_usage_perc before v0.10
     ("sglang.txt", "sglang", EngineSnapshot(162, 2826, 0.28, 8128902.0, 7557572.0, kv_capacity_tokens=161721,
                                             reported_decode_tokens_per_s=2994.28)),
-    ("llamacpp.txt", "llama.cpp", EngineSnapshot(4, 1, 0.25, 6886.0, 3469.0, prompt_seconds_total=29.03,
-                                                 generation_seconds_total=35.44, reported_prefill_tokens_per_s=237.2,
+    ("llamacpp.txt", "llama.cpp", EngineSnapshot(4, 1, 0.25, 6886.0, 3469.0, reported_prefill_tokens_per_s=237.2,
                                                  reported_decode_tokens_per_s=97.9)),
     ("tgi.txt", "tgi", EngineSnapshot(5, 9, None, 30210.0, 14820.0)),
 ])
@@ -100,17 +99,3 @@ def test_sse_events_of_the_engines_decode_to_text_finish_and_usage(data, expecte
 def test_a_data_line_that_is_not_json_is_an_error():
     with pytest.raises(SSEFormatError):
         decode_event("<html>502 Bad Gateway</html>")
-
-
-def test_one_sequences_speeds_come_from_the_engines_seconds_counters():
-    """llama.cpp counts the seconds each request spent on its prompt and on generating: tokens ÷ those seconds is
-    what one slot gets, however many run side by side."""
-    rates = UpstreamRates()
-    rates.observe_sequence_seconds(0.0, 0, 0.0, 0, 0.0)
-    assert (rates.sequence_prefill_tokens_per_s, rates.sequence_decode_tokens_per_s) == (0.0, 0.0)
-    rates.observe_sequence_seconds(1.0, 400, 1.0, 0, 0.0)  # a 400-token prompt took 1 s
-    assert (rates.sequence_prefill_tokens_per_s, rates.sequence_decode_tokens_per_s) == (400.0, 0.0)
-    rates.observe_sequence_seconds(5.0, 400, 1.0, 200, 8.0)  # two answers of 100 tokens, 4 s each side by side
-    assert rates.sequence_decode_tokens_per_s == 25.0
-    rates.observe_sequence_seconds(6.0, 10, 0.1, 5, 0.2)  # counters went back: the engine restarted
-    assert (rates.sequence_prefill_tokens_per_s, rates.sequence_decode_tokens_per_s) == (400.0, 25.0)

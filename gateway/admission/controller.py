@@ -93,7 +93,7 @@ from gateway.admission.shedding import Shedder
 from gateway.admission.stats import AdmissionStats, tier_stats
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
-from shared.config import Config, effective_tiers, validate_admission_config
+from shared.config import Config, TierConfig, effective_tiers, validate_admission_config
 from shared.errors import ErrorCode, SluiceError
 
 if TYPE_CHECKING:
@@ -138,7 +138,8 @@ class AdmissionController(Generic[ReservationT]):
         self._order = make_dispatch_order(order_name, config.admission.aging_rate_per_s)
         tiers = sorted(effective_tiers(config), key=lambda tier: -tier.priority)
         self._queues: dict[str, TierQueue] = {tier.name: TierQueue(tier) for tier in tiers}
-        self._lowest_tier = tiers[-1].name  # for the pressure level: the wait behind every queued request
+        self._lowest_tier = tiers[-1].name  # its predicted wait is behind every queued request (the autoscaler's)
+        self._pressure_tier = pressure_signal_tier(tiers, config)
         self._ticket_ids = itertools.count(1)
         self._in_flight: dict[int, Ticket[ReservationT]] = {}  # admitted, not yet released, by ticket id
         self.rates = ServiceRates(config.admission, view, clock)  # drain, arrival and service rates (``/status``)
@@ -424,4 +425,20 @@ class AdmissionController(Generic[ReservationT]):
     def _observe_pressure(self) -> None:
         """Feed the pressure monitor (``Shedder.observe_pressure``); a no-op with admission off."""
         if self._enabled:
-            self._shedder.observe_pressure(self._lowest_tier)
+            self._shedder.observe_pressure(self._pressure_tier)
+
+
+def pressure_signal_tier(tiers: Sequence[TierConfig], config: Config) -> TierConfig:
+    """Return the tier whose queue wait is the pressure level's signal: the lowest-priority tier that no pressure
+    level sheds (``pressure.*.shed_tiers``), else the lowest tier.
+
+    The work of a tier that pressure may shed yields to every other tier (jobs run in the lowest tier and fill
+    valleys), so its own backlog says nothing of the service the others get; counting it would let a backlog of
+    sheddable work raise the level that sheds it and tighten every tier's caps and deadlines.
+
+    Args:
+        tiers: the effective tiers, highest priority first.
+    """
+    shed = set(config.pressure.elevated.shed_tiers) | set(config.pressure.critical.shed_tiers)
+    kept = [tier for tier in tiers if tier.name not in shed]
+    return (kept or list(tiers))[-1]

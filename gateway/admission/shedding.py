@@ -15,6 +15,7 @@ from gateway.admission.capacity import CapacityView
 from gateway.admission.pressure import PressureLevel, PressureMonitor
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
+from shared.config import TierConfig
 from shared.errors import ErrorCode, SluiceError
 
 
@@ -114,20 +115,23 @@ class Shedder:
             predicted_s - timeout_s,
         )
 
-    def observe_pressure(self, lowest_tier: str) -> None:
-        """Feed the pressure monitor the longest wait — the oldest queued request's, or the predicted wait behind
-        all queued work (``lowest_tier``'s) when longer — and the pool's KV use; when the level rises to one that
-        sheds a tier, shed that tier's queue too (503 ``server_overloaded``)."""
+    def observe_pressure(self, signal_tier: TierConfig) -> None:
+        """Feed the pressure monitor the longest wait — the oldest queued request's in ``signal_tier`` and the tiers
+        above it, or the predicted wait of a request arriving in ``signal_tier`` (behind all their queued work) when
+        longer — and the pool's KV use; when the level rises to one that sheds a tier, shed that tier's queue too
+        (503 ``server_overloaded``). Tiers below ``signal_tier`` (those a level sheds:
+        :func:`~gateway.admission.controller.pressure_signal_tier`) do not raise the level."""
         now_s = self._clock()
         oldest_wait_s = max(
             (
                 now_s - head.enqueued_s
                 for q in self._queues.values()
-                if (head := q.head()) is not None and head.enqueued_s is not None
+                if q.config.priority >= signal_tier.priority
+                and (head := q.head()) is not None and head.enqueued_s is not None
             ),
             default=0.0,
         )
-        predicted_s = self._waits.predicted_wait_s(lowest_tier) or 0.0  # slots included
+        predicted_s = self._waits.predicted_wait_s(signal_tier.name) or 0.0  # slots included
         before = self._pressure.level
         level = self._pressure.observe(max(oldest_wait_s, predicted_s), self._view.kv_used_fraction())
         if level <= before or level is PressureLevel.NORMAL:

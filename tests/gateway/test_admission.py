@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.admission.controller import AdmissionController
+from gateway.admission.controller import AdmissionController, pressure_signal_tier
 from gateway.admission.tickets import TicketState
 from gateway.admission.pressure import PressureLevel, PressureMonitor
 from shared.config import (
@@ -728,6 +728,67 @@ async def test_critical_pressure_sheds_a_tier_at_arrival_and_in_its_queue():
         await controller.admit(controller.make_ticket("batch", prompt(8), 8))
     assert info.value.code is ErrorCode.SERVER_OVERLOADED
     assert controller.snapshot()["tiers"]["batch"]["rejected"] == {"server_overloaded": 2}
+
+
+async def test_a_backlog_of_a_tier_that_pressure_sheds_does_not_raise_the_level_that_sheds_it():
+    """Jobs run in the lowest tier and yield to every other tier: their own backlog, however old, is no pressure on
+    the service the other tiers get, so it neither sheds itself nor tightens their caps."""
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(pressure=PRESSURE))
+    running = controller.make_ticket("vip", prompt(8), 8)
+    await controller.admit(running)
+    backlog = [controller.make_ticket("batch", prompt(8), 8) for _ in range(3)]
+    tasks = [queued_task(controller, t) for t in backlog]
+    await settle()
+    clock.advance(9.0)  # past critical's 8 s of queue wait
+    controller.on_capacity_changed()
+    assert controller.pressure.level is PressureLevel.NORMAL
+    assert [t.state for t in backlog] == [TicketState.QUEUED] * 3
+    controller.release(running)
+    await settle()
+    assert backlog[0].state is TicketState.ADMITTED  # the oldest job goes first once the slot frees
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_same_backlog_in_a_tier_that_pressure_never_sheds_raises_the_level_and_sheds_batch():
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    config = make_config(tiers(free={"queue_timeout_s": 60.0}), pressure=PRESSURE)
+    controller = make_controller(pool, clock, config=config)
+    await controller.admit(controller.make_ticket("vip", prompt(8), 8))
+    waiting_free = controller.make_ticket("free", prompt(8), 8)
+    waiting_batch = controller.make_ticket("batch", prompt(8), 8)
+    tasks = [queued_task(controller, waiting_free), queued_task(controller, waiting_batch)]
+    await settle()
+    clock.advance(9.0)
+    controller.on_capacity_changed()
+    assert controller.pressure.level is PressureLevel.CRITICAL
+    assert waiting_free.state is TicketState.QUEUED
+    with pytest.raises(SluiceError) as info:
+        await tasks[1]
+    assert info.value.code is ErrorCode.SERVER_OVERLOADED
+    tasks[0].cancel()
+    await asyncio.gather(tasks[0], return_exceptions=True)
+
+
+def test_the_pressure_signal_tier_is_the_lowest_that_no_level_sheds():
+    both = PressureConfig(
+        elevated=PressureLevelConfig(enter_queue_wait_s=2.0, leave_queue_wait_s=1.0, enter_kv_used_fraction=0.8,
+                                     leave_kv_used_fraction=0.7, shed_tiers=["batch"]),
+        critical=PressureLevelConfig(enter_queue_wait_s=8.0, leave_queue_wait_s=4.0, enter_kv_used_fraction=0.9,
+                                     leave_kv_used_fraction=0.8, shed_tiers=["free", "batch"]),
+    )
+    ordered = tiers()
+    assert pressure_signal_tier(ordered, make_config(pressure=both)).name == "standard"
+    assert pressure_signal_tier(ordered, make_config(pressure=PRESSURE)).name == "free"
+    assert pressure_signal_tier(ordered, make_config(pressure=QUIET_PRESSURE)).name == "batch"
+    every = PressureConfig(elevated=NEVER, critical=PressureLevelConfig(
+        enter_queue_wait_s=8.0, leave_queue_wait_s=4.0, enter_kv_used_fraction=0.9, leave_kv_used_fraction=0.8,
+        shed_tiers=[tier.name for tier in ordered]))
+    assert pressure_signal_tier(ordered, make_config(pressure=every)).name == "batch"  # nothing kept: the lowest
 
 
 async def test_elevated_pressure_tightens_the_queue_deadline():

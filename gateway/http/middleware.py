@@ -89,6 +89,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             response = await handler(request)
         except SluiceError as exc:
             request[REQUEST_LOG].setdefault("error_code", exc.code.value)
+            request[REQUEST_LOG].setdefault("error_message", exc.message)  # never prompt text (SluiceError)
             response = _json_error(exc, request_id)
         except web.HTTPException as exc:
             response = _http_error(exc, request, request_id)

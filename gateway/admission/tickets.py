@@ -52,6 +52,8 @@ class Ticket(Generic[ReservationT]):
         can_preempt: set with ``on_preempt``: whether ``on_preempt`` would stop the request now, without stopping
             it (the wait estimate counts such a request's slot as one a higher tier can take).
         decoding: set by the owner at the request's first token: its prompt is done on the worker.
+        decoded_tokens: output tokens of this admission the owner has read so far (its progress, for the
+            predicted end of its slot).
     """
 
     ticket_id: int
@@ -75,6 +77,7 @@ class Ticket(Generic[ReservationT]):
     on_preempt: Callable[[], bool] | None = field(default=None, repr=False)
     can_preempt: Callable[[], bool] | None = field(default=None, repr=False)
     decoding: bool = False
+    decoded_tokens: int = 0
     _future: asyncio.Future[ReservationT] | None = field(default=None, repr=False)
 
     @property

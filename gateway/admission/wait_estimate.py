@@ -85,7 +85,9 @@ class WaitEstimator:
         as the drain rate counts starting workers), else when an admitted request ends. A request holds
         its slot for its prompt at the prefill rate plus its expected output (``max_tokens`` × the measured output
         fraction) at the decode rate one running sequence gets (``CapacityView.sequence_rates_tokens_per_s``); the
-        admitted requests' slots free at their admission + that service time (one past its estimate frees "now"),
+        admitted requests' slots free at their admission + that service time, or, once one decodes, after the
+        expected output it has not produced yet (``Ticket.decoded_tokens``) at that decode rate (one past its
+        estimate frees "now"),
         and, with preemption, a request of a lower tier that may be stopped (``Ticket.can_preempt``) frees its slot
         at once when it is decoding, at the end of its prompt when it is prefilling (an engine notices a stop at
         the victim's next token). List scheduling then gives each request ahead, in order, the slot that frees
@@ -114,6 +116,8 @@ class WaitEstimator:
                 if ticket.decoding or prefill_tokens_per_s <= 0:
                     return 0.0
                 return max(0.0, ticket.admitted_s + ticket.prompt_tokens / prefill_tokens_per_s - now_s)
+            if ticket.decoding:  # from its progress: the expected output it has not produced yet
+                return max(0.0, ticket.max_tokens * output_fraction - ticket.decoded_tokens) / decode_tokens_per_s
             return max(0.0, ticket.admitted_s + service_s(ticket) - now_s)
 
         now_s = self._clock()

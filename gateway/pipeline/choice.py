@@ -430,7 +430,9 @@ class ChoiceRunner:
 
     def _observe_tokens(self, choice: ChoiceState, num_tokens: int, worker_ttft_ms: float | None) -> None:
         now_s = time.perf_counter()
-        choice.ticket.decoding = True
+        ticket = choice.ticket
+        ticket.decoding = True
+        ticket.decoded_tokens += num_tokens
         if choice.completion_tokens == 0:
             self._on_first_token(now_s, worker_ttft_ms)
         else:

@@ -524,6 +524,26 @@ async def test_predicted_wait_counts_until_a_sequence_slot_frees():
     await asyncio.gather(vip, standard, return_exceptions=True)
 
 
+async def test_a_decoding_request_frees_its_slot_after_the_output_it_has_not_produced_yet():
+    """Once a request decodes, its slot's end follows its progress, not its admission time: a request that started
+    late (its prefill slower than the measured rate) but has produced most of its answer frees its slot soon."""
+    pool = SlotRatesPool((100.0, 10.0), max_num_seqs=1, rate=1000.0)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(queue_timeout_s=3.0))))
+    running = controller.make_ticket("vip", prompt(10), 40)  # by the rates: 0.1 + 4.0 s in its slot
+    await controller.admit(running)
+    clock.advance(3.0)
+    queued = queued_task(controller, controller.make_ticket("vip", prompt(10), 40))
+    await settle()
+    assert controller.predicted_wait_s("standard") == pytest.approx(1.1 + 4.1)  # admission + 4.1 s, then queued's
+    running.decoding, running.decoded_tokens = True, 10  # its prompt took 2 s: 30 tokens of 40 are left
+    assert controller.predicted_wait_s("standard") == pytest.approx(3.0 + 4.1)
+    running.decoded_tokens = 40  # past its expected output: frees "now"
+    assert controller.predicted_wait_s("standard") == pytest.approx(4.1)
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+
+
 async def test_predicted_wait_has_no_slot_term_without_measured_sequence_rates():
     pool = SlotRatesPool(None, max_num_seqs=1, rate=1000.0)
     controller = make_controller(pool)

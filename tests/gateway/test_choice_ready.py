@@ -26,7 +26,7 @@ def _runner_and_choice(tokenizer, stop_strings: list[str]) -> tuple[ChoiceRunner
                           cache_key="", ignore_eos=False, upstream_prompts=None,
                           on_first_token=lambda now_s, worker_ttft_ms: None)
     choice = ChoiceState(0, 0, "r-0", len(prompt))
-    choice.ticket = SimpleNamespace(reservation=None, decoding=False)
+    choice.ticket = SimpleNamespace(reservation=None, decoding=False, decoded_tokens=0)
     runner.start(choice)
     choice.stream = RequestStream("r-0", worker=SimpleNamespace(abort=lambda request_id: None))
     return runner, choice

@@ -65,3 +65,31 @@ class UpstreamRates:
     def busy_tokens_per_s(self) -> float:
         """Prompt + output tokens per busy second."""
         return self.prefill_tokens_per_s + self.decode_tokens_per_s
+
+
+@dataclass
+class StreamDecodeRate:
+    """The decode speed one running request gets, from the streams the gateway itself reads: each ended stream's
+    tokens after its first ÷ the seconds from its first token to its last, as a ratio of sums over the streams that
+    ended in the last :data:`RATE_WINDOW_S` seconds. It is what a slot's remaining time depends on (the engine's
+    mix of prefills and decodes included), measured without the engine's counters: llama.cpp's count a request's
+    output only when it ends, and an aborted (preempted) request's perhaps never.
+
+    Attributes:
+        tokens_per_s: output tokens per second of one stream, 0.0 until a stream of two tokens or more has ended.
+    """
+
+    tokens_per_s: float = 0.0
+    _streams: deque[tuple[float, float, float]] = field(default_factory=deque)  # end, tokens after first, seconds
+
+    def observe(self, now_s: float, num_tokens: int, first_token_s: float, last_token_s: float) -> None:
+        """Record one ended stream of ``num_tokens`` tokens whose first and last came at ``first_token_s`` and
+        ``last_token_s`` (monotonic seconds, like ``now_s``); streams of fewer than two tokens say nothing."""
+        seconds = last_token_s - first_token_s
+        if num_tokens < 2 or seconds <= 0:
+            return
+        streams = self._streams
+        streams.append((now_s, num_tokens - 1, seconds))
+        while len(streams) > 1 and streams[0][0] < now_s - RATE_WINDOW_S:
+            streams.popleft()
+        self.tokens_per_s = sum(s[1] for s in streams) / sum(s[2] for s in streams)

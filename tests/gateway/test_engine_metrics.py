@@ -14,7 +14,7 @@ from gateway.upstream.engine_metrics import (
     parse_engine_metrics,
     parse_llamacpp_slots,
 )
-from gateway.upstream.rates import UpstreamRates
+from gateway.upstream.rates import StreamDecodeRate, UpstreamRates
 from gateway.upstream.sse import SSEFormatError, UpstreamDelta, decode_event
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics"
@@ -81,6 +81,21 @@ def test_counters_that_move_only_when_a_request_ends_are_spread_over_the_busy_sp
     rates.observe(30.0, 100, 600, busy=False)  # idle: no span
     rates.observe(31.0, 200, 700, busy=True)
     assert (rates.prefill_tokens_per_s, rates.decode_tokens_per_s) == (100.0, 100.0)
+
+
+def test_one_requests_decode_speed_comes_from_the_streams_the_gateway_read():
+    rate = StreamDecodeRate()
+    rate.observe(5.0, 1, 4.0, 4.0)  # one token: no interval
+    rate.observe(5.0, 10, 4.0, 4.0)  # all at once: no interval either
+    assert rate.tokens_per_s == 0.0
+    rate.observe(10.0, 41, 6.0, 10.0)  # 40 tokens after the first in 4 s
+    assert rate.tokens_per_s == 10.0
+    rate.observe(12.0, 21, 10.0, 12.0)  # side by side, 20 in 2 s: a ratio of sums, 60 tokens in 6 s
+    assert rate.tokens_per_s == 10.0
+    rate.observe(13.0, 31, 12.0, 13.0)  # 30 in 1 s
+    assert rate.tokens_per_s == 90 / 7
+    rate.observe(40.0, 11, 39.0, 40.0)  # streams that ended more than RATE_WINDOW_S ago leave the average
+    assert rate.tokens_per_s == 10.0
 
 
 @pytest.mark.parametrize(("data", "expected"), [

@@ -138,7 +138,10 @@ async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_ou
         pending = Reservation(1, client, 1, prefill_tokens=40, priority=3)
         client.prefill.hold(pending)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
-        client._sent_not_started.add(pending.reservation_id)  # what start_request does when it sends the prompt
+        client._sent_not_started[pending.reservation_id] = 3  # what start_request does when it sends the prompt
+        assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
+        assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=3)  # top-tier prompts one after another
+        client._sent_not_started[pending.reservation_id] = 2  # a lower tier's prompt does not hold the top tier
         assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=3)
         assert client.can_take(10, 40, prefill_queue_s=0.0, priority=2)  # no prefill limit configured
@@ -146,3 +149,48 @@ async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_ou
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
     finally:
         await client.close()
+
+
+async def test_one_sequences_decode_speed_is_measured_from_the_streams_read():
+    """The slot-wait estimate needs how fast one running request decodes: the client measures it from the tokens
+    it reads (an engine that counts output only at a request's end tells it late, or never for an aborted one)."""
+    token_gap_s = 0.02
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=VLLM_METRICS)  # counters that never move: no rate from them
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(11):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "},
+                                  "finish_reason": "length" if i == 10 else None}]}
+            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            await asyncio.sleep(token_gap_s)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    client = UpstreamClient(url, "vllm-0", engine="vllm", model="m", max_concurrency=8, kv_capacity_tokens=16000,
+                            metrics_interval_s=0.05)
+    client.start()
+    try:
+        await wait_until(lambda: client.ready and client.capacity is not None, "the first poll")
+        assert client.capacity.sequence_decode_tokens_per_s == 0.0
+        message = Generate("r-1", list(range(8)), SamplingParams(temperature=0.0), max_tokens=11)
+        stream = client.start_request(message, None, UpstreamPrompt(messages=[{"role": "user", "content": "hi"}]))
+        while (await stream.next_update(WAIT_S)).finished is None:
+            pass
+        await wait_until(lambda: client.capacity.sequence_decode_tokens_per_s > 0, "a poll after the stream")
+        # 10 tokens after the first, each at least token_gap_s after the one before
+        assert client.capacity.sequence_decode_tokens_per_s <= 1 / token_gap_s
+    finally:
+        await client.close()
+        await runner.cleanup()

@@ -82,6 +82,14 @@ async def recorded_vllm():
         return web.json_response({"error": {"message": "too many requests", "type": "rate_limit"}}, status=429,
                                  headers={"Retry-After": "2"})
 
+    url, runner = await serve_engine(metrics, chat)
+    yield url, calls
+    await runner.cleanup()
+
+
+async def serve_engine(metrics, chat) -> tuple[str, web.AppRunner]:
+    """Serve ``GET /metrics`` and ``POST /v1/chat/completions`` with these handlers on loopback; return the base URL
+    and the runner (``cleanup()`` stops it)."""
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/chat/completions", chat)
@@ -89,9 +97,7 @@ async def recorded_vllm():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", calls
-    await runner.cleanup()
+    return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner
 
 
 async def wait_until(predicate, what: str) -> None:
@@ -170,14 +176,7 @@ async def test_one_sequences_decode_speed_is_measured_from_the_streams_read():
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    url, runner = await serve_engine(metrics, chat)
     client = UpstreamClient(url, "vllm-0", engine="vllm", model="m", max_concurrency=8, kv_capacity_tokens=16000,
                             metrics_interval_s=0.05)
     client.start()

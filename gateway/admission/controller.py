@@ -139,7 +139,7 @@ class AdmissionController(Generic[ReservationT]):
         tiers = sorted(effective_tiers(config), key=lambda tier: -tier.priority)
         self._queues: dict[str, TierQueue] = {tier.name: TierQueue(tier) for tier in tiers}
         self._lowest_tier = tiers[-1].name  # its predicted wait is behind every queued request (the autoscaler's)
-        self._pressure_tier = pressure_signal_tier(tiers, config)
+        self._pressure_tier = pressure_signal_tier(tiers, self.pressure)
         self._ticket_ids = itertools.count(1)
         self._in_flight: dict[int, Ticket[ReservationT]] = {}  # admitted, not yet released, by ticket id
         self.rates = ServiceRates(config.admission, view, clock)  # drain, arrival and service rates (``/status``)
@@ -428,9 +428,9 @@ class AdmissionController(Generic[ReservationT]):
             self._shedder.observe_pressure(self._pressure_tier)
 
 
-def pressure_signal_tier(tiers: Sequence[TierConfig], config: Config) -> TierConfig:
+def pressure_signal_tier(tiers: Sequence[TierConfig], pressure: PressureMonitor) -> TierConfig:
     """Return the tier whose queue wait is the pressure level's signal: the lowest-priority tier that no pressure
-    level sheds (``pressure.*.shed_tiers``), else the lowest tier.
+    level sheds (:meth:`PressureMonitor.sheds_at_some_level`), else the lowest tier.
 
     The work of a tier that pressure may shed yields to every other tier (jobs run in the lowest tier and fill
     valleys), so its own backlog says nothing of the service the others get; counting it would let a backlog of
@@ -439,6 +439,5 @@ def pressure_signal_tier(tiers: Sequence[TierConfig], config: Config) -> TierCon
     Args:
         tiers: the effective tiers, highest priority first.
     """
-    shed = set(config.pressure.elevated.shed_tiers) | set(config.pressure.critical.shed_tiers)
-    kept = [tier for tier in tiers if tier.name not in shed]
+    kept = [tier for tier in tiers if not pressure.sheds_at_some_level(tier.name)]
     return (kept or list(tiers))[-1]

@@ -137,6 +137,10 @@ class PressureMonitor:
         policy = self._policy()
         return policy is not None and tier in policy.shed_tiers
 
+    def sheds_at_some_level(self, tier: str) -> bool:
+        """Return whether some level above normal rejects this tier (its ``shed_tiers``)."""
+        return any(tier in policy.shed_tiers for policy in self._levels.values())
+
     def seconds_until_may_step_down(self) -> float:
         """Return the seconds left of the minimum dwell in the current level (0 at normal or when passed)."""
         if self._level is PressureLevel.NORMAL:

@@ -802,13 +802,13 @@ def test_the_pressure_signal_tier_is_the_lowest_that_no_level_sheds():
                                      leave_kv_used_fraction=0.8, shed_tiers=["free", "batch"]),
     )
     ordered = tiers()
-    assert pressure_signal_tier(ordered, make_config(pressure=both)).name == "standard"
-    assert pressure_signal_tier(ordered, make_config(pressure=PRESSURE)).name == "free"
-    assert pressure_signal_tier(ordered, make_config(pressure=QUIET_PRESSURE)).name == "batch"
+    assert pressure_signal_tier(ordered, PressureMonitor(both)).name == "standard"
+    assert pressure_signal_tier(ordered, PressureMonitor(PRESSURE)).name == "free"
+    assert pressure_signal_tier(ordered, PressureMonitor(QUIET_PRESSURE)).name == "batch"
     every = PressureConfig(elevated=NEVER, critical=PressureLevelConfig(
         enter_queue_wait_s=8.0, leave_queue_wait_s=4.0, enter_kv_used_fraction=0.9, leave_kv_used_fraction=0.8,
         shed_tiers=[tier.name for tier in ordered]))
-    assert pressure_signal_tier(ordered, make_config(pressure=every)).name == "batch"  # nothing kept: the lowest
+    assert pressure_signal_tier(ordered, PressureMonitor(every)).name == "batch"  # nothing kept: the lowest
 
 
 async def test_elevated_pressure_tightens_the_queue_deadline():

@@ -55,8 +55,7 @@ class UpstreamRates:
             return  # the first reading, the engine restarted (counters went back), or idle: a new span starts
         spans = self._spans
         spans.append((now_s, now_s - last_at_s, d_prompt, d_generation))
-        while len(spans) > 1 and spans[0][0] < now_s - RATE_WINDOW_S:
-            spans.popleft()
+        _drop_before_window(spans, now_s)
         seconds = sum(span[1] for span in spans)
         self.prefill_tokens_per_s = sum(span[2] for span in spans) / seconds
         self.decode_tokens_per_s = sum(span[3] for span in spans) / seconds
@@ -90,6 +89,12 @@ class StreamDecodeRate:
             return
         streams = self._streams
         streams.append((now_s, num_tokens - 1, seconds))
-        while len(streams) > 1 and streams[0][0] < now_s - RATE_WINDOW_S:
-            streams.popleft()
+        _drop_before_window(streams, now_s)
         self.tokens_per_s = sum(s[1] for s in streams) / sum(s[2] for s in streams)
+
+
+def _drop_before_window(entries: deque[tuple[float, ...]], now_s: float) -> None:
+    """Drop the entries (each led by its end time, seconds) that ended more than :data:`RATE_WINDOW_S` before
+    ``now_s``; the newest always stays, so a rate measured once lasts through idle time."""
+    while len(entries) > 1 and entries[0][0] < now_s - RATE_WINDOW_S:
+        entries.popleft()

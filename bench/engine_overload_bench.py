@@ -118,11 +118,8 @@ async def engine_capacity_per_s(llama_url: str, requests, builder: PromptBuilder
     async def client(session: aiohttp.ClientSession) -> None:
         while pending:
             i = pending.pop()
-            body = {"messages": [{"role": "user", "content": texts[i]}], "max_tokens": outputs[i],
-                    "temperature": 0, "ignore_eos": True}
-            async with session.post(llama_url + "/v1/chat/completions", json=body) as response:
-                response.raise_for_status()
-                await response.read()
+            await _chat_seconds(session, llama_url, {"messages": [{"role": "user", "content": texts[i]}],
+                                                     "max_tokens": outputs[i], "temperature": 0, "ignore_eos": True})
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         started = time.perf_counter()
@@ -141,12 +138,8 @@ async def unloaded_ttft_s(llama_url: str, requests, builder: PromptBuilder, max_
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         for i, request in enumerate(requests[:num_requests]):
             text = builder.user_text(clipped_input_tokens(request, 2048, max_input_tokens), 8_000_000 + i)
-            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
-            started = time.perf_counter()
-            async with session.post(llama_url + "/v1/chat/completions", json=body) as response:
-                response.raise_for_status()
-                await response.read()
-            ttfts.append(time.perf_counter() - started)
+            ttfts.append(await _chat_seconds(session, llama_url, {"messages": [{"role": "user", "content": text}],
+                                                                  "max_tokens": 1, "temperature": 0}))
     return ttfts
 
 
@@ -154,17 +147,25 @@ async def unloaded_tpot_s(llama_url: str, builder: PromptBuilder, num_tokens: in
     """Return the engine's unloaded time per output token, seconds: one short prompt answered with 1 and then with
     ``num_tokens`` tokens (``ignore_eos``), straight at ``llama-server``; the difference ÷ ``num_tokens`` − 1."""
     text = builder.user_text(16, 7_000_000)
-    seconds = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        for max_tokens in (1, num_tokens):
-            body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True}
-            started = time.perf_counter()
-            async with session.post(llama_url + "/v1/chat/completions", json=body) as response:
-                response.raise_for_status()
-                await response.read()
-            seconds.append(time.perf_counter() - started)
+        seconds = [await _chat_seconds(session, llama_url, {"messages": [{"role": "user", "content": text}],
+                                                            "max_tokens": max_tokens, "temperature": 0,
+                                                            "ignore_eos": True})
+                   for max_tokens in (1, num_tokens)]
     return max(0.0, seconds[1] - seconds[0]) / (num_tokens - 1)
+
+
+async def _chat_seconds(session: aiohttp.ClientSession, llama_url: str, body: dict) -> float:
+    """POST one chat completion straight at ``llama-server`` and read it whole; return the seconds it took.
+
+    Raises:
+        aiohttp.ClientResponseError: the engine answered an error.
+    """
+    started = time.perf_counter()
+    async with session.post(llama_url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        await response.read()
+    return time.perf_counter() - started
 
 
 def slos_for(ttfts_s: list[float], vip_alone_worst_s: float, vip_s: float | None,
@@ -213,25 +214,15 @@ def seconds_per_prompt_token(probe_inputs: list[int], probe_ttfts_s: list[float]
     return sum(t * n for t, n in zip(probe_ttfts_s, probe_inputs)) / sum(n * n for n in probe_inputs)
 
 
-def vip_alone_ttfts_s(requests, max_input_tokens: int, seconds_per_token: float) -> list[float]:
-    """Return each vip request's TTFT, seconds, in the best schedule any scheduler in front of this engine can give
-    vip: the engine prefills vip prompts only, back to back in arrival order, nothing of another tier ever in the
-    way, each at the engine's measured unloaded speed (a prompt's TTFT = its tokens × ``seconds_per_token``)."""
-    free_at_s, ttfts = 0.0, []
-    for request in sorted((r for r in requests if r.tier == "vip"), key=lambda r: r.arrival_s):
-        free_at_s = max(request.arrival_s, free_at_s) + seconds_per_token * clipped_input_tokens(
-            request, 2048, max_input_tokens)
-        ttfts.append(free_at_s - request.arrival_s)
-    return ttfts
-
-
-def vip_alone_with_slots_ttfts_s(requests, max_input_tokens: int, seconds_per_token: float, tpot_s: float,
-                                 num_slots: int) -> list[float]:
-    """Return each vip request's TTFT, seconds, when the engine serves vip alone on ``num_slots`` slots, first come
-    first served, at its unloaded speeds: a vip request starts its prompt once a slot is free and the prompt before
-    it is done (:func:`vip_alone_ttfts_s`'s prefill), and holds its slot through its answer (its output tokens ×
-    ``tpot_s``). Optimistic for a real run (decodes beside a prefill slow both, and nothing of another tier is ever
-    in the way), it shows what the slots alone allow when vip requests come in bursts."""
+def vip_alone_ttfts_s(requests, max_input_tokens: int, seconds_per_token: float, tpot_s: float = 0.0,
+                      num_slots: int = 1) -> list[float]:
+    """Return each vip request's TTFT, seconds, when the engine serves vip alone, first come first served, at its
+    unloaded speeds: prompts are prefilled back to back in arrival order, nothing of another tier ever in the way,
+    a prompt's TTFT = its tokens × ``seconds_per_token``. With ``tpot_s`` > 0 a request also needs one of
+    ``num_slots`` slots to start and holds it through its answer (its output tokens × ``tpot_s``); the default
+    (no answer time) is the best schedule any scheduler in front of this engine can give vip. With slots it is
+    still optimistic for a real run (decodes beside a prefill slow both): it shows what the slots alone allow when
+    vip requests come in bursts."""
     slots_free_at_s = [0.0] * num_slots
     prefill_free_at_s, ttfts = 0.0, []
     for request in sorted((r for r in requests if r.tier == "vip"), key=lambda r: r.arrival_s):
@@ -246,12 +237,16 @@ def vip_alone_with_slots_ttfts_s(requests, max_input_tokens: int, seconds_per_to
 def vip_alone_bound(ttfts_s: list[float], seconds_per_token: float, slo_s: float, factor_slo_s: float) -> dict:
     """Return the vip TTFT SLO attainment no scheduler in front of this engine can beat (the schedule of
     :func:`vip_alone_ttfts_s`), at the SLO ``slo_s`` and at the plain factor rule's ``factor_slo_s``."""
-    count = len(ttfts_s)
+    return {**attainment(ttfts_s, slo_s),
+            "slo_attainment_at_factor_slo": attainment(ttfts_s, factor_slo_s)["slo_attainment"],
+            "seconds_per_prompt_token": round(seconds_per_token, 6)}
+
+
+def attainment(ttfts_s: list[float], slo_s: float) -> dict:
+    """Return how many of the TTFTs (seconds) meet the SLO ``slo_s``, their share (None for none) and the slowest."""
     met = sum(t <= slo_s for t in ttfts_s)
-    met_at_factor = sum(t <= factor_slo_s for t in ttfts_s)
-    return {"slo_attainment": met / count if count else None, "met": met, "count": count,
-            "slo_attainment_at_factor_slo": met_at_factor / count if count else None,
-            "seconds_per_prompt_token": round(seconds_per_token, 6), "ttft_max_s": round(max(ttfts_s, default=0), 3)}
+    return {"slo_attainment": met / len(ttfts_s) if ttfts_s else None, "met": met, "count": len(ttfts_s),
+            "ttft_max_s": round(max(ttfts_s, default=0.0), 3)}
 
 
 async def wait_engine_idle(llama_url: str, timeout_s: float = 180.0) -> float:
@@ -335,13 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vip attainment bound (the engine prefilling vip prompts alone, back to back): "
               f"{bound['met']}/{bound['count']}, slowest vip TTFT {bound['ttft_max_s']} s")
         tpot_s = asyncio.run(unloaded_tpot_s(llama_url, builder))
-        with_slots_s = vip_alone_with_slots_ttfts_s(requests, args.max_input_tokens, seconds_per_token, tpot_s,
-                                                    args.parallel)
-        with_slots = {"slo_attainment": (sum(t <= slo_ttft_s["vip"] for t in with_slots_s) / len(with_slots_s)
-                                         if with_slots_s else None),
-                      "met": sum(t <= slo_ttft_s["vip"] for t in with_slots_s), "count": len(with_slots_s),
-                      "slots": args.parallel, "unloaded_tpot_s": round(tpot_s, 4),
-                      "ttft_max_s": round(max(with_slots_s, default=0.0), 3)}
+        with_slots = {**attainment(vip_alone_ttfts_s(requests, args.max_input_tokens, seconds_per_token, tpot_s,
+                                                     args.parallel), slo_ttft_s["vip"]),
+                      "slots": args.parallel, "unloaded_tpot_s": round(tpot_s, 4)}
         print(f"vip alone on {args.parallel} slots (answers held at the unloaded {tpot_s * 1000:.0f} ms/token): "
               f"{with_slots['met']}/{with_slots['count']}, slowest vip TTFT {with_slots['ttft_max_s']} s")
         gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, args.multiple),

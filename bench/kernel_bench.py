@@ -155,7 +155,7 @@ def bench_point(batch: int, context: int, with_reference: bool) -> dict[str, Any
 
 def evaluate_targets(points: list[dict[str, Any]], copy_gb_s: float) -> dict[str, Any]:
     """Issue 5's acceptance: >= 80% of copy bandwidth at 64×4096 and 256×32768, >= 3× torch at 64×4096."""
-    by_shape = {(p["batch"], p["context"]): p for p in points}
+    by_shape = {(p["batch"], p["context"]): p for p in points if "error" not in p}
     targets: dict[str, Any] = {}
     for batch, context in ((64, 4096), (256, 32768)):
         point = by_shape.get((batch, context))
@@ -207,8 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(64, 4096)] if args.quick else [(b, c) for c in CONTEXTS for b in BATCHES]
     points = []
     for batch, context in shapes:
-        point = bench_point(batch, context, with_reference=not args.no_reference)
-        torch.cuda.empty_cache()  # the point's pools are garbage now
+        try:
+            point = bench_point(batch, context, with_reference=not args.no_reference)
+        except Exception as exc:  # noqa: BLE001 - one shape's failure is reported; the others still run
+            point = {"batch": batch, "context": context, "error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(point), file=sys.stderr, flush=True)
+            points.append(point)
+            continue
+        finally:
+            torch.cuda.empty_cache()  # the point's pools are garbage now
         point["kernel"]["fraction_of_copy"] = point["kernel"]["gb_s"] / copy["gb_s"]
         print(json.dumps(point), file=sys.stderr, flush=True)
         points.append(point)
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    return 0
+    return 1 if any("error" in p for p in points) else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, one command for one lent H100/H200 as it is (no package index), under 8 minutes:
+#   0. kernel_compile python -m bench.kernel_compile: NVRTC builds the 8 kernel modules in parallel processes into
+#                     CuPy's disk cache (the later stages load them), registers / spills / shared memory per kernel
 #   1. kernel_tests   pytest: the CuPy kernel vs the torch reference (tests/gpu: random shapes, context 1,
 #                     non-multiple lengths, shuffled block tables, 128k), the launcher, CUDA graphs, CUDA int4/int8
 #   2. kernel_bench   python -m bench.kernel_bench: Llama-3-8B heads, bf16, batch {1,16,64,256} x context
@@ -90,7 +92,9 @@ if [ -n "$MISSING" ]; then
   MISSING=$(missing_dists)
 fi
 CUDA_MODULE_MISSING=$("$PY" -c 'import importlib.util; print("" if importlib.util.find_spec("cupy") else "cupy")')
-VERSIONS='import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+VERSIONS='import importlib.util, sys, torch
+cupy = __import__("cupy").__version__ if importlib.util.find_spec("cupy") else None
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy)'
 log "python: $PY ($("$PY" -c "$VERSIONS" 2>&1))"
 
 FAILED=0
@@ -127,15 +131,17 @@ GPU_TESTS=(tests/gpu tests/worker/test_cupy_paged.py tests/worker/test_partition
 if [ "$DRY_RUN" = 1 ]; then
   MODULES='gateway.app, worker.__main__, worker.cuda_graphs, worker.quant_cuda, worker.synthetic, sluice.cli'
   run_stage imports 60 "$PY" -c "import $MODULES"
+  run_stage kernel_compile 60 "$PY" -m bench.kernel_compile --dry-run --out "$RESULTS_DIR/kernel_compile.json"
   run_stage kernel_tests 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${GPU_TESTS[@]}"
   run_stage kernel_bench 30 "$PY" -m bench.kernel_bench --dry-run --out "$RESULTS_DIR/kernel_bench.json"
   run_stage engine_bench 30 "$PY" -m bench.engine_bench --dry-run --out "$RESULTS_DIR/engine_bench.json"
   run_stage gateway_e2e 60 "$PY" bench/gpu_e2e.py --dry-run --out "$RESULTS_DIR/gpu_e2e.json"
 else
-  run_stage kernel_tests 130 "$PY" -m pytest -q -ra -p no:cacheprovider "${GPU_TESTS[@]}"
-  run_stage kernel_bench 110 "$PY" -m bench.kernel_bench --out "$RESULTS_DIR/kernel_bench.json"
+  run_stage kernel_compile 60 "$PY" -m bench.kernel_compile --out "$RESULTS_DIR/kernel_compile.json"
+  run_stage kernel_tests 120 "$PY" -m pytest -q -ra -p no:cacheprovider "${GPU_TESTS[@]}"
+  run_stage kernel_bench 100 "$PY" -m bench.kernel_bench --out "$RESULTS_DIR/kernel_bench.json"
   run_stage engine_bench 120 "$PY" -m bench.engine_bench --out "$RESULTS_DIR/engine_bench.json"
-  run_stage gateway_e2e 100 "$PY" bench/gpu_e2e.py --out "$RESULTS_DIR/gpu_e2e.json" --streams 1,64 \
+  run_stage gateway_e2e 110 "$PY" bench/gpu_e2e.py --out "$RESULTS_DIR/gpu_e2e.json" --streams 1,64 \
     --max-tokens 128
 fi
 

@@ -19,8 +19,8 @@ def test_the_gpu_check_dry_run_passes_every_stage(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["dry_run"] is True and summary["failed_stages"] == 0
-    assert [s["stage"] for s in summary["stages"]] == ["imports", "kernel_tests", "kernel_bench", "engine_bench",
-                                                       "gateway_e2e"]
-    for name in ("kernel_bench", "engine_bench", "gpu_e2e"):
+    assert [s["stage"] for s in summary["stages"]] == ["imports", "kernel_compile", "kernel_tests", "kernel_bench",
+                                                       "engine_bench", "gateway_e2e"]
+    for name in ("kernel_compile", "kernel_bench", "engine_bench", "gpu_e2e"):
         assert json.loads((tmp_path / f"{name}.json").read_text())["skipped"].startswith("no GPU")
     assert "tests collected" in (tmp_path / "kernel_tests.log").read_text()

@@ -1,11 +1,13 @@
-"""Compile every instance of the CuPy paged decode kernel at once, one process per module (GPU only).
+"""Compile every instance of the CuPy paged decode kernel, and the layer operations, at once, one process per module
+(GPU only).
 
 ``worker/attention/kernels/paged_decode_attention.cu`` is built by NVRTC per (dtype, head_dim, block_size) the
 first time a process needs it (:func:`worker.attention.cupy_paged._module`); CuPy keeps the cubin in its disk
 cache (``~/.cupy/kernel_cache``, or ``$CUPY_CACHE_DIR``), so a later process loads it instead of compiling. On a
 fresh machine the GPU check would otherwise compile the 8 modules one after another inside its time-limited stages;
-this compiles them in parallel first, and reports what each kernel costs the SM: registers per thread, local memory
-(spills) and static shared memory per CTA, read back from the loaded function (``cuFuncGetAttribute``).
+this compiles them (and ``worker/cuda_kernels/layer_ops.cu``) in parallel first, and reports what each kernel
+costs the SM: registers per thread, local memory (spills) and static shared memory per CTA, read back from the
+loaded function (``cuFuncGetAttribute``).
 
 Usage: ``python -m bench.kernel_compile [--out PATH] [--dry-run]``; JSON to PATH (default ``$OUT/kernel_compile.json``,
 else ``bench/results/kernel_compile.json``). Exit 1 when any module fails to compile; spills are reported
@@ -63,6 +65,24 @@ def compile_module(dtype_name: str, head_dim: int, block_size: int) -> dict[str,
     return record
 
 
+def compile_layer_ops() -> dict[str, Any]:
+    """Compile (or load) ``worker/cuda_kernels/layer_ops.cu`` on device 0; return its kernels' resource use."""
+    from worker.cuda_kernels import LAYER_OPS_KERNELS, _function
+
+    started = time.perf_counter()
+    record: dict[str, Any] = {"module": "layer_ops", "kernels": {}}
+    try:
+        for name in LAYER_OPS_KERNELS:
+            function = _function(name, 0)
+            record["kernels"][name] = {"registers": int(function.num_regs),
+                                       "local_bytes": int(function.local_size_bytes),
+                                       "shared_bytes": int(function.shared_size_bytes)}
+    except Exception as exc:  # noqa: BLE001 - reported; the exit code says that it failed
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -77,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=len(MODULES), mp_context=get_context("spawn")) as pool:
-        records = list(pool.map(compile_module, *zip(*MODULES, strict=True)))
+    with ProcessPoolExecutor(max_workers=len(MODULES) + 1, mp_context=get_context("spawn")) as pool:
+        layer_ops = pool.submit(compile_layer_ops)
+        records = list(pool.map(compile_module, *zip(*MODULES, strict=True))) + [layer_ops.result()]
     failed = [r["module"] for r in records if "error" in r]
     spilled = [name for r in records for name, k in r["kernels"].items() if k["local_bytes"] > 0]
     report = {"modules": records, "failed": failed, "spilled": spilled, "wall_s": time.perf_counter() - started,

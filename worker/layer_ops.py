@@ -11,14 +11,20 @@
 (:mod:`worker.cpu_kernels`, ``elementwise.cpp``): one call each instead of torch's six for an RMSNorm, four for RoPE
 and three for SwiGLU, which at a decode step of a few rows cost more than their arithmetic (SmolLM2-135M, one
 sequence, 2-core AMD EPYC, torch profiler: the operators torch ran besides the matmuls took 5.7 ms of a 19 ms step on
-a busy machine; with the fused ones, what torch still runs takes 1.5 ms of a 9.9 ms step on a quiet one). :func:`layer_ops` picks the fused ones
-for float32 activations on a CPU where the kernels load.
+a busy machine; with the fused ones, what torch still runs takes 1.5 ms of a 9.9 ms step on a quiet one).
+:class:`worker.cuda_kernels.CudaLayerOps` runs the same operations as one CUDA kernel each on a GPU (bf16/fp16
+activations). :func:`layer_ops` picks the fused ones where they run.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from worker.cuda_kernels import CudaLayerOps
 
 
 class TorchLayerOps:
@@ -95,9 +101,15 @@ class FusedLayerOps(TorchLayerOps):
 
 
 def layer_ops(act_dtype: torch.dtype, device: torch.device, eps: float, num_heads: int, num_kv_heads: int,
-              head_dim: int) -> TorchLayerOps:
-    """The fused operations for float32 activations on a CPU whose kernels load (and head_dim a multiple of 16,
-    the hidden sizes of 8), else torch's."""
+              head_dim: int) -> TorchLayerOps | CudaLayerOps:
+    """The fused operations where they run: Sluice's CPU kernels for float32 activations on a CPU whose kernels load
+    (head_dim a multiple of 16, the hidden sizes of 8); its CUDA kernels (:mod:`worker.cuda_kernels`) for bf16 /
+    fp16 activations on CUDA where CuPy sees the device; else torch's."""
+    if device.type == "cuda" and head_dim % 2 == 0:
+        from worker import cuda_kernels
+
+        if cuda_kernels.supported(act_dtype, device):
+            return cuda_kernels.CudaLayerOps(act_dtype, eps, num_heads, num_kv_heads, head_dim)
     if act_dtype == torch.float32 and device.type == "cpu" and head_dim % 16 == 0:
         from worker import cpu_kernels
 

@@ -19,6 +19,7 @@ import pytest
 
 from worker.attention.cupy_paged import KERNEL_SOURCE_PATH, compile_options, kernel_names
 from worker.attention.partitioned_ref import HEADS_PER_CTA_CHOICES, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from worker.cuda_kernels import LAYER_OPS_KERNELS, SOURCE_PATH
 
 DTYPE_NAMES = ("bf16", "f16")
 ARCHS = ("sm_80", "sm_90")
@@ -159,3 +160,24 @@ def test_nvrtc_compiles_each_module_as_cupy_asks(dtype_name: str, head_dim: int,
     entries = set(re.findall(rb"\.entry\s+(\w+)\(", ptx))
     expected = {n.encode() for h in HEADS_PER_CTA_CHOICES for n in kernel_names(dtype_name, head_dim, block_size, h)}
     assert entries == expected
+
+
+LAYER_OPS_ENTRIES = set(LAYER_OPS_KERNELS)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_ops_compile_without_spills(arch: str, tmp_path: Path) -> None:
+    """worker/cuda_kernels/layer_ops.cu: every entry point cuda_kernels launches is there, none spills."""
+    proc = subprocess.run(
+        [NVCC, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "layer_ops.cubin"),
+         str(SOURCE_PATH)],
+        capture_output=True,
+        text=True,
+        timeout=NVCC_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "warning" not in proc.stderr.lower(), proc.stderr[-4000:]
+    report = _ptxas_report(proc.stderr)
+    assert set(report) == LAYER_OPS_ENTRIES
+    assert not {name: r for name, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}

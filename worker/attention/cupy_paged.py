@@ -33,7 +33,8 @@ from worker.attention.partitioned_ref import (
     PartitionPlan,
     plan_partitions,
 )
-from worker.attention.torch_ref import TorchAttentionBackend, write_kv
+from worker.attention.torch_ref import TorchAttentionBackend
+from worker.cuda_kernels import cupy_available, external_stream, write_kv
 
 if TYPE_CHECKING:
     from worker.batch import ForwardBatch
@@ -48,18 +49,6 @@ _MAX_CTAS_PER_SM = 16  # Hopper/Ampere limit on resident CTAs per SM (warps boun
 
 class KernelUnavailableError(RuntimeError):
     """CuPy or a CUDA device is missing, so the CuPy kernel cannot run."""
-
-
-def cupy_available() -> bool:
-    """Return True when CuPy imports and sees at least one CUDA device (never raises)."""
-    if importlib.util.find_spec("cupy") is None:
-        return False
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available())
-    except Exception:  # noqa: BLE001 - a broken CuPy/driver install means "not available"
-        return False
 
 
 def kernel_names(dtype_name: str, head_dim: int, block_size: int, heads_per_cta: int) -> tuple[str, str, str]:
@@ -87,14 +76,6 @@ def compile_options(dtype_name: str, head_dim: int, block_size: int) -> tuple[st
 @functools.lru_cache(maxsize=None)
 def _cupy_installed() -> bool:
     return importlib.util.find_spec("cupy") is not None
-
-
-@functools.lru_cache(maxsize=64)
-def _external_stream(stream_ptr: int, device_index: int) -> Any:
-    """CuPy's view of a torch stream (cached: one per stream; torch keeps its streams alive)."""
-    import cupy
-
-    return cupy.cuda.ExternalStream(stream_ptr, device_index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,7 +240,7 @@ def paged_decode_attention(
     partial_out, partial_stats = allocate_partials(q, plan)
     launch = build_launch(q, k_cache, v_cache, block_tables, context_lens, scale, plan, out, partial_out, partial_stats)
     with cupy.cuda.Device(device_index):
-        with _external_stream(torch.cuda.current_stream(q.device).cuda_stream, device_index):
+        with external_stream(torch.cuda.current_stream(q.device).cuda_stream, device_index):
             if launch.reduce_grid is None:
                 single_kernel(launch.grid, launch.block, launch.decode_args)
             else:
@@ -411,7 +392,7 @@ class CupyAttentionBackend(TorchAttentionBackend):
         """Write K/V, then attend (see :meth:`worker.attention.AttentionBackend.forward`)."""
         if not batch.is_decode_only:
             return super().forward(q, k, v, layer_kv, batch, scale)
-        write_kv(layer_kv, k, v, batch.slot_mapping)
+        write_kv(layer_kv, k, v, batch.slot_mapping)  # one CUDA kernel
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         return paged_decode_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, max_context_len=batch.max_seq_len

@@ -85,9 +85,10 @@ MISSING=$(missing_dists)
 if [ -n "$MISSING" ]; then
   log "missing: $MISSING; installing them from .whl/"
   for dist in $MISSING; do
+    # pip's status, not grep's (grep -v fails when pip printed nothing, as it does on success)
     "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --find-links .whl \
-      --target "$SITE_DIR" "$dist" 2>&1 | grep -v "^WARNING: Target directory" >&2 \
-      || log "$dist is not among the wheels in .whl/ (scripts/fetch_gpu_wheels.sh)"
+      --target "$SITE_DIR" "$dist" 2>&1 | { grep -v "^WARNING: Target directory" >&2 || true; }
+    [ "${PIPESTATUS[0]}" = 0 ] || log "$dist is not among the wheels in .whl/ (scripts/fetch_gpu_wheels.sh)"
   done
   MISSING=$(missing_dists)
 fi

@@ -101,14 +101,17 @@ class FusedLayerOps(TorchLayerOps):
 
 
 def layer_ops(act_dtype: torch.dtype, device: torch.device, eps: float, num_heads: int, num_kv_heads: int,
-              head_dim: int) -> TorchLayerOps | CudaLayerOps:
+              head_dim: int, hidden_size: int | None = None) -> TorchLayerOps | CudaLayerOps:
     """The fused operations where they run: Sluice's CPU kernels for float32 activations on a CPU whose kernels load
     (head_dim a multiple of 16, the hidden sizes of 8); its CUDA kernels (:mod:`worker.cuda_kernels`) for bf16 /
-    fp16 activations on CUDA where CuPy sees the device; else torch's."""
+    fp16 activations on CUDA where CuPy sees the device (an even head_dim up to 2048, a hidden size their norms take;
+    ``hidden_size`` None: ``num_heads * head_dim``); else torch's."""
     if device.type == "cuda" and head_dim % 2 == 0:
         from worker import cuda_kernels
 
-        if cuda_kernels.supported(act_dtype, device):
+        hidden = hidden_size if hidden_size is not None else num_heads * head_dim
+        if (cuda_kernels.supported(act_dtype, device) and head_dim <= 2 * cuda_kernels.MAX_THREADS
+                and cuda_kernels.supports_hidden_size(hidden)):
             return cuda_kernels.CudaLayerOps(act_dtype, eps, num_heads, num_kv_heads, head_dim)
     if act_dtype == torch.float32 and device.type == "cpu" and head_dim % 16 == 0:
         from worker import cpu_kernels

@@ -184,7 +184,7 @@ class LlamaModel:
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         self._ops = layer_ops(self.dtype, self.device, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads,
-                              spec.head_dim)
+                              spec.head_dim, spec.hidden_size)
 
     # ------------------------------------------------------------------ construction
 

@@ -101,3 +101,31 @@ def test_write_kv_copies_exactly_what_torch_writes_and_skips_negative_slots(bloc
     skipped = torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE)
     write_kv(pool, k * 2, v * 2, skipped)
     torch.testing.assert_close(pool, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hidden", [12, 16384])  # one partial warp; four vectors per thread of 1024
+def test_norm_of_the_narrowest_and_widest_rows(hidden: int) -> None:
+    cuda_ops, torch_ops = _ops(torch.bfloat16, (32, 8, 128))
+    gen = torch.Generator(device=DEVICE).manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=gen, device=DEVICE)
+    w = torch.rand(hidden, generator=gen, device=DEVICE) + 0.5
+    _assert_close(cuda_ops.norm(x, w), torch_ops.norm(x, w), torch.bfloat16)
+
+
+def test_swiglu_of_a_width_that_is_not_a_multiple_of_8() -> None:
+    cuda_ops, torch_ops = _ops(torch.bfloat16, (32, 8, 128))
+    gate_up = torch.randn(7, 2 * 1540 + 6, device=DEVICE).to(torch.bfloat16)[:, :2 * 1541]  # element-wise path
+    _assert_close(cuda_ops.swiglu(gate_up), torch_ops.swiglu(gate_up), torch.bfloat16)
+
+
+def test_write_kv_of_unaligned_views_falls_back_to_torch() -> None:
+    kv_heads, head_dim, block_size, tokens = 2, 64, 16, 5
+    buf = torch.randn(tokens, 2 * kv_heads * head_dim + 4, device=DEVICE).to(torch.bfloat16)
+    k = buf[:, 4 : 4 + kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # 8 bytes past a 16-byte boundary
+    v = buf[:, 4 + kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([0, 17, 5, 40, 33], dtype=torch.int64, device=DEVICE)
+    pool = torch.zeros(2, 4, kv_heads, block_size, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    expected = pool.clone()
+    torch_write_kv(expected, k.contiguous(), v.contiguous(), slots)
+    write_kv(pool, k, v, slots)
+    torch.testing.assert_close(pool, expected, rtol=0, atol=0)

@@ -21,10 +21,10 @@ import torch
 
 
 SOURCE_PATH = Path(__file__).with_name("layer_ops.cu")
-NORM_THREADS = 256  # one CTA per row; 4096-wide rows: 16 elements per thread
-ROW_THREADS = 128  # rope and write_kv: one CTA per token
-SILU_THREADS = 256
-SILU_MAX_CTAS = 4096
+MAX_THREADS = 1024
+MAX_NORM_VECS_PER_THREAD = 4  # layer_ops.cu kMaxVecsPerThread: rows up to 4 * 4 * 1024 = 16384 wide
+SILU_THREADS = 256  # 8 columns each
+MAX_GRID_Y = 65535
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _OPS = ("rms_norm", "add_rms_norm", "rope", "silu_mul")
 LAYER_OPS_KERNELS = tuple(f"{op}_{dtype}" for op in _OPS for dtype in _DTYPE_NAMES.values()) + ("write_kv_16",)
@@ -90,8 +90,22 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
                          f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
 
 
+def _threads(count: int) -> int:
+    """Threads of a CTA that gives each of ``count`` work items its own thread, up to MAX_THREADS (warps)."""
+    return min(MAX_THREADS, max(32, -(-count // 32) * 32))
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor starts on 16 bytes and every stride but the last is a multiple of 16 bytes (the kernels'
+    vector loads)."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in tensors)
+
+
 def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write this step's K/V into their slots of one layer's pool, in place, in one kernel.
+    """Write this step's K/V into their slots of one layer's pool, in place, in one kernel (16-byte copies; a
+    layout the kernel cannot take vector-wise, such as a head_dim that is not a multiple of 8, goes through torch's
+    :func:`worker.attention.torch_ref.write_kv`).
 
     Args:
         layer_kv: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` bf16/fp16 on CUDA, each
@@ -117,10 +131,15 @@ def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     if num_tokens == 0:
         return
     k_cache, v_cache = layer_kv[0], layer_kv[1]
+    if head_dim % 8 or not _aligned(k, v, k_cache, v_cache):
+        from worker.attention.torch_ref import write_kv as torch_write_kv
+
+        torch_write_kv(layer_kv, k.contiguous(), v.contiguous(), slot_mapping)
+        return
     args = (_ptr(k_cache), _ptr(v_cache), _ptr(k), _ptr(v), np.int64(k.stride(0)), np.int64(k.stride(1)),
             np.int64(v.stride(0)), np.int64(v.stride(1)), _ptr(slot_mapping), np.int32(num_kv_heads),
             np.int32(block_size), np.int32(head_dim), np.int64(k_cache.stride(0)), np.int64(k_cache.stride(1)))
-    _launch("write_kv_16", k.device, (num_tokens,), (ROW_THREADS,), args)
+    _launch("write_kv_16", k.device, (num_tokens,), (_threads(num_kv_heads * head_dim // 8),), args)
 
 
 class CudaLayerOps:
@@ -134,14 +153,16 @@ class CudaLayerOps:
         eps: RMSNorm's epsilon.
         num_heads, num_kv_heads, head_dim: the attention's shape (head_dim even).
 
+    The norms take rows of a multiple of 4 elements, at most 16384 (:func:`supports_hidden_size`).
+
     Raises:
-        ValueError: another dtype, or an odd head_dim.
+        ValueError: another dtype, or an odd head_dim, or one over 2048.
     """
 
     def __init__(self, act_dtype: torch.dtype, eps: float, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        if act_dtype not in _DTYPE_NAMES or head_dim % 2:
-            raise ValueError(f"CudaLayerOps takes bf16/fp16 activations and an even head_dim, got {act_dtype}, "
-                             f"{head_dim}")
+        if act_dtype not in _DTYPE_NAMES or head_dim % 2 or head_dim > 2 * MAX_THREADS:
+            raise ValueError(f"CudaLayerOps takes bf16/fp16 activations and an even head_dim up to {2 * MAX_THREADS}, "
+                             f"got {act_dtype}, {head_dim}")
         self.act_dtype = act_dtype
         self.eps = eps
         self.num_heads = num_heads
@@ -149,13 +170,21 @@ class CudaLayerOps:
         self.head_dim = head_dim
         self._names = {op: f"{op}_{_DTYPE_NAMES[act_dtype]}" for op in _OPS}
 
+    def _norm_threads(self, x: torch.Tensor, weight: torch.Tensor) -> int:
+        hidden = x.shape[1]
+        if not supports_hidden_size(hidden) or not _aligned(x, weight):
+            raise ValueError(f"the CUDA RMSNorm takes 16-byte aligned rows of a multiple of 4 elements up to "
+                             f"{4 * MAX_NORM_VECS_PER_THREAD * MAX_THREADS}, got {tuple(x.shape)}")
+        return _threads(hidden // 4)
+
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x [n, hidden]`` fp32 by ``weight [hidden]`` fp32, in the activations' dtype."""
         _check_rows("x", x, torch.float32)
         rows, hidden = x.shape
+        threads = self._norm_threads(x, weight)
         out = torch.empty((rows, hidden), dtype=self.act_dtype, device=x.device)
         if rows:
-            _launch(self._names["rms_norm"], x.device, (rows,), (NORM_THREADS,),
+            _launch(self._names["rms_norm"], x.device, (rows,), (threads,),
                     (_ptr(out), _ptr(x), _ptr(weight), np.int32(hidden), np.float32(self.eps)))
         return out
 
@@ -167,9 +196,10 @@ class CudaLayerOps:
         rows, hidden = x.shape
         if delta.shape != x.shape:
             raise ValueError(f"delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
+        threads = self._norm_threads(x, weight)
         out = torch.empty((rows, hidden), dtype=self.act_dtype, device=x.device)
         if rows:
-            _launch(self._names["add_rms_norm"], x.device, (rows,), (NORM_THREADS,),
+            _launch(self._names["add_rms_norm"], x.device, (rows,), (threads,),
                     (_ptr(out), _ptr(x), _ptr(delta), _ptr(weight), np.int32(hidden), np.float32(self.eps)))
         return x, out
 
@@ -183,9 +213,8 @@ class CudaLayerOps:
         _check_rows("sin", sin, self.act_dtype)
         n, d = qkv.shape[0], self.head_dim
         if n:
-            _launch(self._names["rope"], qkv.device, (n,), (ROW_THREADS,),
-                    (_ptr(qkv), np.int64(qkv.stride(0)), np.int32(self.num_heads + self.num_kv_heads), np.int32(d),
-                     _ptr(cos), _ptr(sin)))
+            _launch(self._names["rope"], qkv.device, (n, self.num_heads + self.num_kv_heads), (d // 2,),
+                    (_ptr(qkv), np.int64(qkv.stride(0)), np.int32(d), _ptr(cos), _ptr(sin)))
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         return (qkv[:, :q_size].view(n, self.num_heads, d), qkv[:, q_size : q_size + kv_size].view(n, -1, d),
                 qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, d))
@@ -197,9 +226,16 @@ class CudaLayerOps:
         rows, width = gate_up.shape
         inter = width // 2
         out = torch.empty((rows, inter), dtype=self.act_dtype, device=gate_up.device)
-        total = rows * inter
-        if total:
-            ctas = min(SILU_MAX_CTAS, -(-total // SILU_THREADS))
-            _launch(self._names["silu_mul"], gate_up.device, (ctas,), (SILU_THREADS,),
-                    (_ptr(out), _ptr(gate_up), np.int32(inter), np.int64(total)))
+        if inter % 8 == 0 and not _aligned(gate_up, out):
+            raise ValueError(f"gate_up must start on 16 bytes, got {gate_up.data_ptr():#x}")
+        col_ctas = -(-inter // (8 * SILU_THREADS))
+        for first in range(0, rows, MAX_GRID_Y):  # the grid's y holds at most MAX_GRID_Y rows
+            chunk = min(MAX_GRID_Y, rows - first)
+            _launch(self._names["silu_mul"], gate_up.device, (col_ctas, chunk), (SILU_THREADS,),
+                    (_ptr(out[first:]), _ptr(gate_up[first:]), np.int32(inter)))
         return out
+
+
+def supports_hidden_size(hidden: int) -> bool:
+    """Whether :class:`CudaLayerOps`' norms take rows of ``hidden`` elements (a multiple of 4, at most 16384)."""
+    return hidden % 4 == 0 and hidden // 4 <= MAX_NORM_VECS_PER_THREAD * MAX_THREADS

@@ -12,12 +12,6 @@ bucket ``b >= n`` (vLLM's and SGLang's scheme)::
                  [n, b)  padding: token 0 at position 0 written to the pad slot (the pool's spare block, never
                          allocated to a sequence), context 1 over that block, so padding reads and writes only it
 
-A step's inputs arrive as host tensors (:meth:`worker.model_runner.BatchBuilder.build` with ``on_host``): they are
-written into pinned host buffers shaped like the static ones, padding rows included, and each static buffer is
-filled by one asynchronous copy of its rows ``[0, b)`` (5 copies; built on the device, the same step took 7
-host-to-device copies and 5 device copies). A pinned buffer is rewritten only after the copies of the step before
-it finished (a CUDA event).
-
 The attention plan (the split along the context) is fixed at capture for the longest context the model serves
 (``max_model_len``): a shorter context leaves its trailing partitions empty. Prefill and mixed steps, and decode
 steps larger than the largest bucket, run eagerly. Without CUDA (tests) :class:`DecodeGraphs` runs the padded
@@ -35,7 +29,6 @@ import torch
 from worker.batch import ForwardBatch
 
 GRAPH_BUCKET_STEP = 16
-STAGED_INPUTS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
 SMALL_BUCKETS = (1, 2, 4, 8)
 NUM_WARMUP_RUNS = 2
 
@@ -95,14 +88,6 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(num_rows, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        # host staging of the inputs: pinned on CUDA (asynchronous copies), rows past a step's padding left stale
-        pin = device.type == "cuda"
-        self._staged = {name: torch.empty_like(getattr(self, name), device="cpu").pin_memory() if pin
-                        else torch.empty_like(getattr(self, name), device="cpu") for name in STAGED_INPUTS}
-        for name in STAGED_INPUTS:
-            self._staged[name].copy_(getattr(self, name).cpu())
-        self._staged_np = {name: t.numpy() for name, t in self._staged.items()}
-        self._copies_done: torch.cuda.Event | None = None
 
     @property
     def captured(self) -> bool:
@@ -124,53 +109,29 @@ class DecodeGraphs:
             decode_seqs=[True] * num_rows,
         )
 
-    def fits(self, num_seqs: int) -> bool:
-        """Whether a decode step of ``num_seqs`` sequences has a bucket (else it runs eagerly)."""
-        return num_seqs <= self.sizes[-1]
-
     def load(self, batch: ForwardBatch) -> int | None:
-        """Copy a decode batch of host tensors into the static rows ``[0, n)``, padding rows ``[n, bucket)``.
-
-        Args:
-            batch: a decode step whose tensors are on the host (``BatchBuilder.build(out, on_host=True)``).
+        """Copy a decode batch into the static rows ``[0, n)`` and reset the padding rows ``[n, bucket)``.
 
         Returns:
             The bucket, or None when the batch is not decode-only or larger than the largest bucket (run it
             eagerly).
-
-        Raises:
-            ValueError: the batch's tensors are not on the host.
         """
         num_seqs = batch.num_seqs
         bucket = bucket_for(self.sizes, num_seqs) if batch.is_decode_only else None
         if bucket is None:
             return None
-        if batch.input_ids.device.type != "cpu":
-            raise ValueError(f"DecodeGraphs.load takes host tensors, got them on {batch.input_ids.device}")
-        if self._copies_done is not None:
-            self._copies_done.synchronize()  # the previous step's copies have read the pinned buffers
         width = batch.block_tables.shape[1]
-        staged = self._staged_np
-        staged["input_ids"][:num_seqs] = batch.input_ids.numpy()
-        staged["positions"][:num_seqs] = batch.positions.numpy()
-        staged["slot_mapping"][:num_seqs] = batch.slot_mapping.numpy()
-        staged["context_lens"][:num_seqs] = batch.context_lens.numpy()
-        staged["block_tables"][:num_seqs, :width] = batch.block_tables.numpy()
+        self.input_ids[:num_seqs].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:num_seqs].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(batch.slot_mapping, non_blocking=True)
+        self.context_lens[:num_seqs].copy_(batch.context_lens, non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(batch.block_tables, non_blocking=True)
         if bucket > num_seqs:  # earlier, larger steps left their rows here
-            staged["input_ids"][num_seqs:bucket] = 0
-            staged["positions"][num_seqs:bucket] = 0
-            staged["slot_mapping"][num_seqs:bucket] = self.pad_block_id * self.block_size
-            staged["context_lens"][num_seqs:bucket] = 1
-            staged["block_tables"][num_seqs:bucket, 0] = self.pad_block_id
-        for name in STAGED_INPUTS:
-            rows = self._staged[name][:bucket]
-            if name == "block_tables":
-                getattr(self, name)[:bucket, :width].copy_(rows[:, :width], non_blocking=True)
-            else:
-                getattr(self, name)[:bucket].copy_(rows, non_blocking=True)
-        if self.kv_cache.is_cuda:
-            self._copies_done = torch.cuda.Event()
-            self._copies_done.record()
+            self.input_ids[num_seqs:bucket].zero_()
+            self.positions[num_seqs:bucket].zero_()
+            self.slot_mapping[num_seqs:bucket].fill_(self.pad_block_id * self.block_size)
+            self.context_lens[num_seqs:bucket].fill_(1)
+            self.block_tables[num_seqs:bucket, 0].fill_(self.pad_block_id)
         return bucket
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
@@ -188,7 +149,7 @@ class DecodeGraphs:
             logits = self.model.forward(self.static_batch(bucket, seq_lens), self.kv_cache)
         if batch.logits_indices.shape[0] == batch.num_seqs:
             return logits[: batch.num_seqs]
-        return logits.index_select(0, batch.logits_indices.to(logits.device))
+        return logits.index_select(0, batch.logits_indices)
 
     def capture(self) -> CaptureReport:
         """Capture one graph per bucket, largest first, sharing one memory pool (CUDA only).

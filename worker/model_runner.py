@@ -43,21 +43,15 @@ class BatchBuilder:
         # then zeros); [] once anything else wrote _tables
         self._table_rows: list[list[int]] = []
 
-    def build(self, out: SchedulerOutput, on_host: bool = False) -> ForwardBatch:
+    def build(self, out: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled chunks of every sequence (at least one) into one batch.
-
-        Args:
-            out: the scheduled step.
-            on_host: a decode step's tensors stay on the host, as numpy-backed CPU tensors (for
-                :meth:`worker.cuda_graphs.DecodeGraphs.run`, which stages them into its own device buffers: one
-                pinned copy each instead of a copy here and another there). Other steps ignore it.
 
         Returns:
             The batch; ``logits_indices`` has one row per sequence whose chunk samples a token, in scheduled
             order.
         """
         if out.all_decode:
-            return self._build_decode(out, torch.device("cpu") if on_host else self.device)
+            return self._build_decode(out)
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         starts_list: list[int] = []
@@ -125,10 +119,10 @@ class BatchBuilder:
             decode_seqs=decode_seqs,
         )
 
-    def _build_decode(self, out: SchedulerOutput, device: torch.device) -> ForwardBatch:
+    def _build_decode(self, out: SchedulerOutput) -> ForwardBatch:
         """:meth:`build` of a step whose every chunk is one generated token (``out.all_decode``): the same batch,
-        without the per-sequence chunk logic, its tensors on ``device``; the block tables rewrite only the rows that
-        changed since the last decode step."""
+        without the per-sequence chunk logic; the block tables rewrite only the rows that changed since the last
+        decode step."""
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         seqs = [item.seq for item in scheduled]
@@ -140,6 +134,7 @@ class BatchBuilder:
         block_idx, offsets = np.divmod(starts, block_size)
         slots = tables[rows, block_idx] * block_size + offsets
         ends = starts + 1
+        device = self.device
         seq_lens = ends.tolist()
         return ForwardBatch(
             input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
@@ -322,9 +317,7 @@ class ModelRunner:
         Raises:
             StepAbandoned: ``should_stop`` said so.
         """
-        graphs = self.decode_graphs
-        use_graphs = graphs is not None and out.all_decode and graphs.fits(len(out.scheduled))
-        batch = self.batch_builder.build(out, on_host=use_graphs)
+        batch = self.batch_builder.build(out)
         sampling = out.scheduled if out.all_decode else [item for item in out.scheduled if item.sample]
         self.step_logprobs = {}
         if not sampling:
@@ -332,7 +325,9 @@ class ModelRunner:
                 self.model.forward(batch, self.kv_cache, should_stop)
             return {}
         with torch.inference_mode():
-            logits = graphs.run(batch) if use_graphs else self.model.forward(batch, self.kv_cache, should_stop)
+            logits = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
+            if logits is None:
+                logits = self.model.forward(batch, self.kv_cache, should_stop)
         seqs = [item.seq for item in sampling]
         plan = self._plan
         if plan.seqs != seqs:  # Sequence compares by identity

@@ -19,12 +19,14 @@ class CapacityView(Protocol[ReservationT]):
     """
 
     def try_reserve(
-        self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None
+        self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None,
+        group: object | None = None,
     ) -> ReservationT | None:
         """Pick a worker (closed breaker, room for the request's KV, running < max_num_seqs; route by cached prefix,
         then most free KV) and hold room on it until :meth:`release`: ``demand_blocks`` less the leading prompt
         blocks that requests admitted there already hold (a shared prefix is booked once; :meth:`booked_blocks`
-        says what was). ``avoid`` names a worker to skip while another one could serve (a retry goes elsewhere).
+        says what was). ``avoid`` names a worker to skip while another one could serve (a retry goes elsewhere);
+        ``group`` is the request whose choices are admitted together (``Ticket.group``).
 
         Returns:
             The reservation naming the worker, or None when no worker has room now.

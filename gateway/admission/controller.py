@@ -175,6 +175,7 @@ class AdmissionController(Generic[ReservationT]):
         rpm_limit: int = 0,
         tpm_limit: int = 0,
         avoid: object | None = None,
+        group: object | None = None,
     ) -> Ticket[ReservationT]:
         """Make the admission ticket of one request.
 
@@ -184,6 +185,7 @@ class AdmissionController(Generic[ReservationT]):
             max_tokens: the capped output budget in tokens (``gateway.admission.caps``), ≥ 1.
             rate_limit_key, rpm_limit, tpm_limit: the API key's identity and per-minute limits (0 = unlimited).
             avoid: a worker to skip when another can serve (a retry after a failure before the first byte).
+            group: the request whose choices are admitted together (``Ticket.group``).
 
         Raises:
             KeyError: unknown tier (a bug: tiers are resolved before).
@@ -202,6 +204,7 @@ class AdmissionController(Generic[ReservationT]):
             tpm_limit=tpm_limit if self._enabled else 0,
             arrival_s=self._clock(),
             avoid=avoid,
+            group=group,
         )
         ticket.expected_work_tokens = len(prompt_token_ids) + max_tokens * self.rates.output_fraction
         return ticket
@@ -221,7 +224,7 @@ class AdmissionController(Generic[ReservationT]):
         return ticket
 
     def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int],
-                        max_tokens: int) -> Ticket[ReservationT]:
+                        max_tokens: int, group: object | None = None) -> Ticket[ReservationT]:
         """Make a ticket for a resolved :class:`~gateway.pipeline.classify.Principal` (tier and per-key limits)."""
         return self.make_ticket(
             principal.tier.name,
@@ -230,6 +233,7 @@ class AdmissionController(Generic[ReservationT]):
             rate_limit_key=principal.rate_limit_key,
             rpm_limit=principal.rpm_limit,
             tpm_limit=principal.tpm_limit,
+            group=group,
         )
 
     async def admit(self, ticket: Ticket[ReservationT]) -> ReservationT:

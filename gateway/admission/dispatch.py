@@ -85,7 +85,7 @@ class Dispatcher:
                 held_back_tiers.add(best.tier.name)
                 continue
             reservation = self._view.try_reserve(
-                best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid
+                best.demand_blocks, best.tier.name, best.prompt_token_ids, avoid=best.avoid, group=best.group
             )
             if reservation is None:
                 victims = victims_for.get(best.ticket_id, 0)

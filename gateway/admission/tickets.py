@@ -42,6 +42,9 @@ class Ticket(Generic[ReservationT]):
             blocks it shares with requests admitted before it); counted in its tier's ``in_flight_blocks``.
         state: see :class:`TicketState`.
         avoid: a worker the capacity view should skip when another can serve (the worker a retry left).
+        group: the request whose choices are admitted together (n > 1, several prompts): the capacity view does
+            not let one choice's reservation hold back another's (they are sent together once all are admitted);
+            None for a request of one choice.
         expected_work_tokens: prompt + the output expected from the measured fraction of ``max_tokens`` used, in
             tokens: what this request adds to the predicted wait of those behind it.
         resume_timeout_s: set on the ticket of a preempted request's resumption: its queue deadline, seconds from
@@ -72,6 +75,7 @@ class Ticket(Generic[ReservationT]):
     booked_blocks: int = 0
     state: TicketState = TicketState.NEW
     avoid: object | None = None
+    group: object | None = None
     expected_work_tokens: float = 0.0
     resume_timeout_s: float | None = None
     on_preempt: Callable[[], bool] | None = field(default=None, repr=False)

@@ -125,15 +125,16 @@ class Generation:
         Raises:
             SluiceError: a choice was shed (429/503 with ``retry_after_s``); nothing stays queued or reserved.
         """
+        group = self.request_id if len(self.prompts) * self.n > 1 else None  # choices reserved together
         for prompt_index, prompt_ids in enumerate(self.prompts):
             for j in range(self.n):
                 index = prompt_index * self.n + j
                 choice = ChoiceState(index, prompt_index, f"{self.request_id}-{index}", len(prompt_ids))
                 max_tokens = self.max_tokens[prompt_index]
                 if index == 0:
-                    choice.ticket = self.admission.make_ticket_for(self.principal, prompt_ids, max_tokens)
+                    choice.ticket = self.admission.make_ticket_for(self.principal, prompt_ids, max_tokens, group)
                 else:
-                    choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, max_tokens)
+                    choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, max_tokens, group=group)
                 self.choices.append(choice)
         if len(self.choices) == 1:
             await self.admission.admit(self.choices[0].ticket)

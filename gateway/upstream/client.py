@@ -95,8 +95,8 @@ class UpstreamClient(WorkerClient):
                  breaker: CircuitBreaker | None = None, top_tier_priority: int = 0) -> None:
         super().__init__(base_url.rstrip("/"), name, on_capacity, breaker)
         self.top_tier_priority = top_tier_priority
-        # reservation id → tier priority of each prompt sent whose first text has not come
-        self._sent_not_started: dict[int, int] = {}
+        # reservation id → (tier priority, group) of each prompt reserved here whose first text has not come
+        self._held_not_started: dict[int, tuple[int, object | None]] = {}
         self.engine = engine
         self.model = model
         self.max_concurrency = max_concurrency
@@ -135,29 +135,37 @@ class UpstreamClient(WorkerClient):
         return self.engine in ENGINES_RESUMING_FROM_TOKEN_IDS
 
     def can_take(self, demand_blocks: int, prefill_tokens: int = 0, prefill_queue_s: float = 0.0,
-                 priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0) -> bool:
+                 priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0, group: object | None = None) -> bool:
         """See :meth:`WorkerClient.can_take`; also no while the upstream's last 429/503 ``Retry-After`` runs, and,
         with a prefill limit (``prefill_queue_s`` > 0), no for a tier below ``top_tier_priority`` while any prompt
-        sent here has not started: the engine prefills first come, first served, so each prompt queued there is
+        reserved here has not started: the engine prefills first come, first served, so each prompt queued there is
         prefill time a top-tier request arriving next must wait through (one lower-tier prompt at most). A top-tier
-        prompt waits while another top-tier prompt sent here has not started: an engine prefills the prompts it
+        prompt waits while another top-tier prompt reserved here has not started: an engine prefills the prompts it
         holds side by side (llama.cpp, vLLM's chunked prefill), so two of them both get their first token when both
         are done, where one after the other the first gets it after its own (the order the vip-alone bound of
         ``bench/engine_overload_bench.py`` assumes); it does not wait for a lower tier's prompt, which it would wait
-        through whole. Only prompts sent count: the choices of one request are all reserved before the first is
-        sent."""
+        through whole. Reservations count from the moment they are made, so two prompts granted in one dispatch
+        pass are not both sent; those of the asking request's own ``group`` do not count: a request's choices are
+        all reserved before the first is sent."""
         if time.monotonic() < self._saturated_until_s:
             return False
-        if prefill_queue_s > 0 and self._sent_not_started:
+        if prefill_queue_s > 0 and self._held_not_started:
             top = self.top_tier_priority
-            if priority < top or any(sent >= top for sent in self._sent_not_started.values()):
+            others = [held for held, held_group in self._held_not_started.values()
+                      if group is None or held_group != group]
+            if others and (priority < top or any(held >= top for held in others)):
                 return False
         return super().can_take(demand_blocks, prefill_tokens, prefill_queue_s, priority,
                                 fallback_prefill_tokens_per_s)
 
+    def hold_prefill(self, reservation: "Reservation") -> None:
+        """See :meth:`WorkerClient.hold_prefill`; the prompt holds back others until it starts (:meth:`can_take`)."""
+        self._held_not_started[reservation.reservation_id] = (reservation.priority, reservation.group)
+        super().hold_prefill(reservation)
+
     def prefill_started(self, reservation: "Reservation") -> None:
-        """See :meth:`WorkerClient.prefill_started`; the prompt no longer holds back lower tiers (:meth:`can_take`)."""
-        self._sent_not_started.pop(reservation.reservation_id, None)
+        """See :meth:`WorkerClient.prefill_started`; the prompt no longer holds back others (:meth:`can_take`)."""
+        self._held_not_started.pop(reservation.reservation_id, None)
         super().prefill_started(reservation)
 
     def not_ready_reason(self) -> str | None:
@@ -223,8 +231,6 @@ class UpstreamClient(WorkerClient):
         self._streams[message.request_id] = stream
         if prompt is None:
             prompt = UpstreamPrompt(prompt=message.prompt_token_ids)
-        if reservation is not None and reservation.prefill_pending:
-            self._sent_not_started[reservation.reservation_id] = reservation.priority
         self._own_prompt_tokens += len(message.prompt_token_ids)
         self.num_connections += 1  # one HTTP connection per request (``/status`` ``connections``)
         self._requests[message.request_id] = asyncio.create_task(

@@ -155,7 +155,7 @@ class WorkerClient:
         return prefill_budget_tokens(self.prefill_tokens_per_s or fallback_rate_tokens_per_s, prefill_queue_s)
 
     def can_take(self, demand_blocks: int, prefill_tokens: int = 0, prefill_queue_s: float = 0.0,
-                 priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0) -> bool:
+                 priority: int = 0, fallback_prefill_tokens_per_s: float = 0.0, group: object | None = None) -> bool:
         """Return whether a request may be sent now (breaker, sequence slots, KV, prefill backlog).
 
         Args:
@@ -166,6 +166,8 @@ class WorkerClient:
             priority: its tier's priority (the worker prefills higher ones first).
             fallback_prefill_tokens_per_s: the prefill rate, tokens/s, to assume while the worker has measured
                 none (see :meth:`prefill_budget_tokens`).
+            group: the request whose choices are reserved together (not used here: our workers order prefills
+                by tier themselves).
         """
         if not self.ready or not self.breaker.available() or self.hello is None:
             return False
@@ -177,6 +179,10 @@ class WorkerClient:
             if num_ahead > 0 and tokens_ahead + prefill_tokens > budget_tokens:
                 return False
         return self.total_kv_blocks - self.committed_kv_blocks >= demand_blocks
+
+    def hold_prefill(self, reservation: "Reservation") -> None:
+        """A reservation was made here: its prompt is in the prefill backlog until :meth:`prefill_started`."""
+        self.prefill.hold(reservation)
 
     def prefill_started(self, reservation: "Reservation") -> None:
         """The reservation's prompt started on the worker (first token, end, failure or release): it leaves the

@@ -207,7 +207,7 @@ class WorkerPool:
         return hashes
 
     def try_reserve(self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int],
-                    avoid: object | None = None) -> Reservation | None:
+                    avoid: object | None = None, group: object | None = None) -> Reservation | None:
         """Pick a worker for a request and book on it the KV blocks the request will newly allocate, and one
         sequence slot.
 
@@ -220,6 +220,8 @@ class WorkerPool:
             prompt_token_ids: the prompt, to find the worker with the longest cached prefix.
             avoid: a worker (:class:`WorkerClient`) to skip while another ready worker with an available breaker
                 exists: a retry goes to another worker when there is one.
+            group: the request whose choices are reserved together (``Ticket.group``): on an upstream engine, their
+                reservations do not hold one another back (:meth:`UpstreamClient.can_take`).
 
         Returns:
             The reservation, or None when no worker has room now.
@@ -230,7 +232,7 @@ class WorkerPool:
         hashes = self._prompt_hashes(prompt_token_ids)
         candidates = [c for c in self.clients if c.ready and c.can_take(
             c.kv_booking.new_blocks(demand_blocks, hashes.shareable(c.block_size_tokens)), num_prompt_tokens,
-            self.prefill_queue_s, priority, fallback_rate)]
+            self.prefill_queue_s, priority, fallback_rate, group=group)]
         if avoid is not None and any(c is not avoid and c.ready and c.breaker.available() for c in self.clients):
             candidates = [c for c in candidates if c is not avoid]
         if not candidates:
@@ -251,8 +253,8 @@ class WorkerPool:
         prefill_tokens = max(1, num_prompt_tokens - best.prefix_memory.cached_blocks(block_hashes) * best.block_size_tokens)
         reservation = Reservation(next(self._reservation_ids), best, demand_blocks, block_hashes=block_hashes,
                                   prefill_tokens=prefill_tokens, priority=priority, shareable_hashes=shareable,
-                                  booked_blocks=booked_blocks)
-        best.prefill.hold(reservation)
+                                  booked_blocks=booked_blocks, group=group)
+        best.hold_prefill(reservation)
         return reservation
 
     def release(self, reservation: Reservation) -> None:

@@ -22,6 +22,7 @@ class Reservation:
             blocks other admitted requests held already (:mod:`gateway.workers.kv_booking`).
         shareable_hashes: chain hashes of its prompt blocks the worker can share with other requests.
         verdict_given: the breaker heard whether the worker served it (else releasing counts it as abandoned).
+        group: the request whose choices are reserved together (``Ticket.group``), None for one choice.
     """
 
     reservation_id: int
@@ -34,3 +35,4 @@ class Reservation:
     priority: int = 0  # the request's tier priority as the worker orders prefills
     shareable_hashes: Sequence[int] = ()
     booked_blocks: int = 0
+    group: object | None = None  # the request whose choices are reserved together (``Ticket.group``)

@@ -54,7 +54,8 @@ class FakePool:
         self.tiers_reserved: list[str] = []
 
     def try_reserve(
-        self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None
+        self, demand_blocks: int, tier: str, prompt_token_ids: Sequence[int], avoid: object | None = None,
+        group: object | None = None,
     ) -> object | None:
         for i, free in enumerate(self.free_blocks):
             if free >= demand_blocks and self.running[i] < self.max_num_seqs:
@@ -1092,8 +1093,8 @@ class SlotRatesAndCountPool(SlotRatesPool):
     def total_sequence_slots(self) -> int:
         return self.max_num_seqs * len(self.free_blocks)
 
-    def try_reserve(self, demand_blocks, tier, prompt_token_ids, avoid=None):
-        return None if self.refuse else super().try_reserve(demand_blocks, tier, prompt_token_ids, avoid)
+    def try_reserve(self, demand_blocks, tier, prompt_token_ids, avoid=None, group=None):
+        return None if self.refuse else super().try_reserve(demand_blocks, tier, prompt_token_ids, avoid, group)
 
 
 async def test_idle_sequence_slots_leave_the_predicted_wait_to_work_over_rate():

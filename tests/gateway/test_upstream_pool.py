@@ -138,21 +138,38 @@ async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_ou
         assert client.breaker.snapshot()["consecutive_failures"] == 0  # overload is not ill health
         await wait_until(lambda: client.can_take(10), "the Retry-After to pass")
 
-        # the engine prefills first come, first served: below the top tier, one prompt sent and not started at
-        # a time (reserved but unsent prompts do not count: a request's choices are all reserved first)
+        # the engine prefills first come, first served: below the top tier, one prompt reserved and not started
+        # at a time; top-tier prompts one after another; a request's own choices (its group) do not hold each
+        # other back, since they are all reserved before the first is sent
         client.top_tier_priority = 3
-        pending = Reservation(1, client, 1, prefill_tokens=40, priority=3)
-        client.prefill.hold(pending)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
-        client._sent_not_started[pending.reservation_id] = 3  # what start_request does when it sends the prompt
+        pending = Reservation(1, client, 1, prefill_tokens=40, priority=3, group="req-a")
+        client.hold_prefill(pending)  # what WorkerPool.try_reserve does
         assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
-        assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=3)  # top-tier prompts one after another
-        client._sent_not_started[pending.reservation_id] = 2  # a lower tier's prompt does not hold the top tier
+        assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=3)
+        assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=3, group="req-b")
+        assert client.can_take(10, 40, prefill_queue_s=1.0, priority=3, group="req-a")
+        assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2, group="req-a")
+        client.prefill_started(pending)
+        lower = Reservation(2, client, 1, prefill_tokens=40, priority=2)
+        client.hold_prefill(lower)  # a lower tier's prompt does not hold the top tier back
         assert not client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=3)
         assert client.can_take(10, 40, prefill_queue_s=0.0, priority=2)  # no prefill limit configured
-        client.prefill_started(pending)
+        client.prefill_started(lower)
         assert client.can_take(10, 40, prefill_queue_s=1.0, priority=2)
+
+        # through the pool, as one dispatch pass grants two queued top-tier prompts: the second waits for the
+        # first to start (else the engine prefills both side by side and both first tokens come late), unless it
+        # is another choice of the same request
+        pool.prefill_queue_s, pool.tier_priorities = 1.0, {"vip": 3, "standard": 2}
+        first = pool.try_reserve(10, "vip", list(range(40)))
+        assert first is not None and pool.try_reserve(10, "vip", list(range(50, 90))) is None
+        pool.release(first)
+        both = [pool.try_reserve(10, "vip", list(range(40)), group="req-c") for _ in range(2)]
+        assert None not in both
+        for reservation in both:
+            pool.release(reservation)
     finally:
         await client.close()
 

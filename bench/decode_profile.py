@@ -29,7 +29,8 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.engine_bench import BLOCK_SIZE, MAX_BATCHED_TOKENS  # noqa: E402
+from bench.engine_bench import BLOCK_SIZE, MAX_BATCHED_TOKENS, graph_replay_ms  # noqa: E402
+from bench.kernel_bench import _time_graph_ms  # noqa: E402
 from shared.protocol import Generate, SamplingParams  # noqa: E402
 from worker.cuda_graphs import DecodeGraphs, bucket_for  # noqa: E402
 from worker.engine import Engine  # noqa: E402
@@ -40,28 +41,9 @@ from worker.scheduler import Scheduler  # noqa: E402
 from worker.synthetic import build_synthetic_model, synthetic_spec  # noqa: E402
 
 
-def graph_ms(fn, launches: int = 20, replays: int = 10) -> float:
-    """GPU milliseconds of one ``fn()``: ``launches`` calls captured in a graph, median replay ÷ launches."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / launches)
-    return sorted(samples)[len(samples) // 2]
+def graph_ms(fn) -> float:
+    """GPU milliseconds of one ``fn()`` from CUDA-graph replays (:func:`bench.kernel_bench._time_graph_ms`)."""
+    return _time_graph_ms(fn, launches=20)["median_ms"]
 
 
 def linears(spec) -> list[dict[str, Any]]:
@@ -135,16 +117,7 @@ def step_phases(model, kv_cache, graphs, num_seqs: int, steps: int, num_blocks: 
     result: dict[str, Any] = {"num_seqs": num_seqs, "cuda_graphs": graphs is not None, "step_ms": wall_ms / steps,
                               "phases_ms_per_step": {k: v / steps for k, v in timer.totals.items()}}
     if graphs is not None:
-        graph = graphs._graphs[bucket_for(graphs.sizes, num_seqs)]
-        samples = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            samples.append(s.elapsed_time(e))
-        result["graph_replay_gpu_ms"] = sorted(samples)[5]
+        result["graph_replay_gpu_ms"] = graph_replay_ms(graphs, num_seqs)
     print(json.dumps(result), file=sys.stderr, flush=True)
     return result
 

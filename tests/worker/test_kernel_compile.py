@@ -66,19 +66,24 @@ def _ptxas_report(log: str) -> dict[str, dict[str, int]]:
     return report
 
 
-@needs_nvcc
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_instance_compiles_without_spills(arch: str, tmp_path: Path) -> None:
-    cubin = tmp_path / f"paged_decode_{arch}.cubin"
+def _compile_cubin(arch: str, source: Path, cubin: Path) -> dict[str, dict[str, int]]:
+    """Build ``source`` into ``cubin`` with nvcc for ``arch`` (no warning allowed); return ptxas' report."""
     proc = subprocess.run(
-        [NVCC, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(cubin), str(KERNEL_SOURCE_PATH)],
+        [NVCC, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(cubin), str(source)],
         capture_output=True,
         text=True,
         timeout=NVCC_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "warning" not in proc.stderr.lower(), proc.stderr[-4000:]
-    report = _ptxas_report(proc.stderr)
+    return _ptxas_report(proc.stderr)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_instance_compiles_without_spills(arch: str, tmp_path: Path) -> None:
+    cubin = tmp_path / f"paged_decode_{arch}.cubin"
+    report = _compile_cubin(arch, KERNEL_SOURCE_PATH, cubin)
     assert set(report) == _expected_entries()
     spilling = {name: r for name, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
     assert not spilling, f"register spills / stack frames on {arch}: {spilling}"
@@ -169,15 +174,6 @@ LAYER_OPS_ENTRIES = set(LAYER_OPS_KERNELS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layer_ops_compile_without_spills(arch: str, tmp_path: Path) -> None:
     """worker/cuda_kernels/layer_ops.cu: every entry point cuda_kernels launches is there, none spills."""
-    proc = subprocess.run(
-        [NVCC, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "layer_ops.cubin"),
-         str(SOURCE_PATH)],
-        capture_output=True,
-        text=True,
-        timeout=NVCC_TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "warning" not in proc.stderr.lower(), proc.stderr[-4000:]
-    report = _ptxas_report(proc.stderr)
+    report = _compile_cubin(arch, SOURCE_PATH, tmp_path / "layer_ops.cubin")
     assert set(report) == LAYER_OPS_ENTRIES
     assert not {name: r for name, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}

@@ -112,7 +112,8 @@ def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
             ``[block_size, head_dim]`` tile contiguous.
         k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the pool's dtype; views with contiguous heads (e.g.
             slices of the qkv projection), any row and head strides.
-        slot_mapping: ``[num_tokens]`` int64 ``block_id * block_size + offset``; a negative slot is skipped.
+        slot_mapping: ``[num_tokens]`` int64 ``block_id * block_size + offset``; the kernel skips a negative slot
+            (the torch fallback takes valid slots only).
 
     Raises:
         ValueError: dtypes, devices or layouts the kernel does not take.

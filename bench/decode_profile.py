@@ -29,15 +29,10 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.engine_bench import BLOCK_SIZE, MAX_BATCHED_TOKENS, graph_replay_ms  # noqa: E402
+from bench.engine_bench import BLOCK_SIZE, decoding_engine, graph_replay_ms  # noqa: E402
 from bench.kernel_bench import _time_graph_ms  # noqa: E402
-from shared.protocol import Generate, SamplingParams  # noqa: E402
-from worker.cuda_graphs import DecodeGraphs, bucket_for  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.kv_cache.manager import KVCacheManager  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
+from worker.cuda_graphs import DecodeGraphs  # noqa: E402
 from worker.quant import padded_linear  # noqa: E402
-from worker.scheduler import Scheduler  # noqa: E402
 from worker.synthetic import build_synthetic_model, synthetic_spec  # noqa: E402
 
 
@@ -74,8 +69,6 @@ class PhaseTimer:
 
     def wrap(self, obj, name: str, label: str) -> None:
         inner = getattr(obj, name)
-        if isinstance(obj, torch.cuda.CUDAGraph):
-            return  # a graph's replay is one launch: its time shows in the phase around it
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -88,24 +81,13 @@ class PhaseTimer:
 
 
 def step_phases(model, kv_cache, graphs, num_seqs: int, steps: int, num_blocks: int) -> dict[str, Any]:
-    runner = ModelRunner(model, kv_cache, BLOCK_SIZE, kv_cache.device, graphs)
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
-    engine = Engine(Scheduler(kv, max(num_seqs, 1), MAX_BATCHED_TOKENS, 1 << 17), runner, [])
-    gen = torch.Generator().manual_seed(num_seqs)
-    for i in range(num_seqs):
-        prompt = torch.randint(0, model.spec.vocab_size, (512,), generator=gen).tolist()
-        engine.add(f"r{i}", Generate(f"r{i}", prompt, SamplingParams(temperature=0.0), steps + 16, ignore_eos=True))
-    while len(engine.scheduler.running) < num_seqs or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    engine, runner, _ = decoding_engine(model, kv_cache, graphs, num_seqs, 512, steps + 16, num_blocks)
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
     timer.wrap(runner.batch_builder, "build", "batch_build")
     if graphs is not None:
-        timer.wrap(graphs, "load", "graph_load_inputs")
-        timer.wrap(graphs._graphs[bucket_for(graphs.sizes, num_seqs)], "replay", "graph_replay_launch")
+        timer.wrap(graphs, "load", "graph_load_inputs")  # its replay, one launch, shows in sample_and_wait
     else:
         timer.wrap(model, "forward", "eager_forward_launch")
     timer.wrap(runner.sampler, "greedy", "sample_and_wait")
@@ -123,17 +105,7 @@ def step_phases(model, kv_cache, graphs, num_seqs: int, steps: int, num_blocks: 
 
 
 def kernel_table(model, kv_cache, num_seqs: int, num_blocks: int) -> dict[str, Any]:
-    runner = ModelRunner(model, kv_cache, BLOCK_SIZE, kv_cache.device, None)
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
-    engine = Engine(Scheduler(kv, num_seqs, MAX_BATCHED_TOKENS, 1 << 17), runner, [])
-    for i in range(num_seqs):
-        engine.add(f"p{i}", Generate(f"p{i}", list(range(i, i + 512)), SamplingParams(temperature=0.0), 64,
-                                     ignore_eos=True))
-    while any(not s.output_token_ids for s in engine.scheduler.running) or len(engine.scheduler.running) < num_seqs:
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    torch.cuda.synchronize()
+    engine, _, _ = decoding_engine(model, kv_cache, None, num_seqs, 512, 64, num_blocks)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):

@@ -69,9 +69,15 @@ def measure_copy_gb_s() -> float:
     return 2 * COPY_BYTES / sorted(times)[len(times) // 2] / 1e9
 
 
-def decode_run(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prompt_tokens: int, steps: int,
-               num_blocks: int) -> dict[str, Any]:
-    """Prefill ``num_seqs`` prompts, then time ``steps`` decode steps; return the measured rates."""
+def decoding_engine(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prompt_tokens: int,
+                    max_tokens: int, num_blocks: int) -> tuple[Engine, ModelRunner, float]:
+    """An engine over the model's pool with ``num_seqs`` greedy sequences of ``prompt_tokens`` random token ids
+    (seeded by ``num_seqs``, ``ignore_eos``, ``max_tokens`` each), prefilled and three decode steps in (warm: the
+    first steps of this size).
+
+    Returns:
+        The engine, its model runner and the seconds the prefill took.
+    """
     runner = ModelRunner(model, kv_cache, BLOCK_SIZE, kv_cache.device, graphs)
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
     engine = Engine(Scheduler(kv, max(num_seqs, 1), MAX_BATCHED_TOKENS, 1 << 17), runner, [])
@@ -79,14 +85,21 @@ def decode_run(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prom
     gen = torch.Generator().manual_seed(num_seqs)
     for i in range(num_seqs):
         prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
-        engine.add(f"r{i}", Generate(f"r{i}", prompt, SamplingParams(temperature=0.0), steps + 8, ignore_eos=True))
+        engine.add(f"r{i}", Generate(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens, ignore_eos=True))
     prefill_start = time.perf_counter()
     while len(engine.scheduler.running) < num_seqs or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     prefill_s = time.perf_counter() - prefill_start
-    for _ in range(3):  # warm: the first decode steps of this size
+    for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
+    return engine, runner, prefill_s
+
+
+def decode_run(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prompt_tokens: int, steps: int,
+               num_blocks: int) -> dict[str, Any]:
+    """Prefill ``num_seqs`` prompts, then time ``steps`` decode steps; return the measured rates."""
+    engine, _, prefill_s = decoding_engine(model, kv_cache, graphs, num_seqs, prompt_tokens, steps + 8, num_blocks)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()

@@ -24,63 +24,59 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from worker.attention.cupy_paged import _DTYPE_NAMES, kernel_names  # noqa: E402
+from worker.attention.cupy_paged import kernel_names  # noqa: E402
 from worker.attention.partitioned_ref import (  # noqa: E402
     HEADS_PER_CTA_CHOICES,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_HEAD_DIMS,
 )
+from worker.cuda_kernels import DTYPE_NAMES  # noqa: E402
 
-MODULES = [(dtype, head_dim, block_size) for dtype in _DTYPE_NAMES.values() for head_dim in SUPPORTED_HEAD_DIMS
+MODULES = [(dtype, head_dim, block_size) for dtype in DTYPE_NAMES.values() for head_dim in SUPPORTED_HEAD_DIMS
            for block_size in SUPPORTED_BLOCK_SIZES]
 
 
-def compile_module(dtype_name: str, head_dim: int, block_size: int) -> dict[str, Any]:
-    """Compile (or load from CuPy's cache) one module on device 0; return its kernels' resource use.
+def _resource_record(module: str, load: Callable[[], Iterable[tuple[str, Any]]]) -> dict[str, Any]:
+    """Run ``load`` (compile or load from CuPy's cache on device 0, yielding (kernel name, CuPy function)); return
+    the module's seconds, each kernel's registers per thread, local (spill) and static shared bytes, or the error.
 
     Runs in a child process: CUDA is initialised there, never in the parent.
     """
-    from worker.attention.cupy_paged import _kernels
-
     started = time.perf_counter()
-    record: dict[str, Any] = {"module": f"{dtype_name}_d{head_dim}_b{block_size}", "kernels": {}}
+    record: dict[str, Any] = {"module": module, "kernels": {}}
     try:
-        for heads in HEADS_PER_CTA_CHOICES:
-            functions = _kernels(dtype_name, head_dim, block_size, heads, 0)
-            names = kernel_names(dtype_name, head_dim, block_size, heads)
-            for name, function in zip(names, functions, strict=True):
-                record["kernels"][name] = {
-                    "registers": int(function.num_regs),
-                    "local_bytes": int(function.local_size_bytes),
-                    "shared_bytes": int(function.shared_size_bytes),
-                }
+        for name, function in load():
+            record["kernels"][name] = {"registers": int(function.num_regs),
+                                       "local_bytes": int(function.local_size_bytes),
+                                       "shared_bytes": int(function.shared_size_bytes)}
     except Exception as exc:  # noqa: BLE001 - reported per module; the exit code says that one failed
         record["error"] = f"{type(exc).__name__}: {exc}"
     record["seconds"] = time.perf_counter() - started
     return record
 
 
+def compile_module(dtype_name: str, head_dim: int, block_size: int) -> dict[str, Any]:
+    """One attention module (:func:`worker.attention.cupy_paged._kernels`, every heads-per-CTA instance)."""
+    from worker.attention.cupy_paged import _kernels
+
+    def load() -> Iterable[tuple[str, Any]]:
+        for heads in HEADS_PER_CTA_CHOICES:
+            yield from zip(kernel_names(dtype_name, head_dim, block_size, heads),
+                           _kernels(dtype_name, head_dim, block_size, heads, 0), strict=True)
+
+    return _resource_record(f"{dtype_name}_d{head_dim}_b{block_size}", load)
+
+
 def compile_layer_ops() -> dict[str, Any]:
-    """Compile (or load) ``worker/cuda_kernels/layer_ops.cu`` on device 0; return its kernels' resource use."""
+    """``worker/cuda_kernels/layer_ops.cu``, every kernel :mod:`worker.cuda_kernels` launches."""
     from worker.cuda_kernels import LAYER_OPS_KERNELS, _function
 
-    started = time.perf_counter()
-    record: dict[str, Any] = {"module": "layer_ops", "kernels": {}}
-    try:
-        for name in LAYER_OPS_KERNELS:
-            function = _function(name, 0)
-            record["kernels"][name] = {"registers": int(function.num_regs),
-                                       "local_bytes": int(function.local_size_bytes),
-                                       "shared_bytes": int(function.shared_size_bytes)}
-    except Exception as exc:  # noqa: BLE001 - reported; the exit code says that it failed
-        record["error"] = f"{type(exc).__name__}: {exc}"
-    record["seconds"] = time.perf_counter() - started
-    return record
+    return _resource_record("layer_ops", lambda: ((name, _function(name, 0)) for name in LAYER_OPS_KERNELS))
 
 
 def main(argv: list[str] | None = None) -> int:

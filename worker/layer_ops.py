@@ -106,12 +106,11 @@ def layer_ops(act_dtype: torch.dtype, device: torch.device, eps: float, num_head
     (head_dim a multiple of 16, the hidden sizes of 8); its CUDA kernels (:mod:`worker.cuda_kernels`) for bf16 /
     fp16 activations on CUDA where CuPy sees the device (an even head_dim up to 2048, a hidden size their norms take;
     ``hidden_size`` None: ``num_heads * head_dim``); else torch's."""
-    if device.type == "cuda" and head_dim % 2 == 0:
+    if device.type == "cuda":
         from worker import cuda_kernels
 
         hidden = hidden_size if hidden_size is not None else num_heads * head_dim
-        if (cuda_kernels.supported(act_dtype, device) and head_dim <= 2 * cuda_kernels.MAX_THREADS
-                and cuda_kernels.supports_hidden_size(hidden)):
+        if cuda_kernels.supported(act_dtype, device, head_dim, hidden):
             return cuda_kernels.CudaLayerOps(act_dtype, eps, num_heads, num_kv_heads, head_dim)
     if act_dtype == torch.float32 and device.type == "cpu" and head_dim % 16 == 0:
         from worker import cpu_kernels

@@ -34,14 +34,13 @@ from worker.attention.partitioned_ref import (
     plan_partitions,
 )
 from worker.attention.torch_ref import TorchAttentionBackend
-from worker.cuda_kernels import cupy_available, external_stream, write_kv
+from worker.cuda_kernels import DTYPE_NAMES, cupy_available, external_stream, write_kv
 
 if TYPE_CHECKING:
     from worker.batch import ForwardBatch
 
 KERNEL_SOURCE_PATH = Path(__file__).with_name("kernels") / "paged_decode_attention.cu"
 THREADS_PER_CTA = NUM_WARPS * WARP_SIZE
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_Y = 65535
 _REGISTERS_PER_SM = 65536
 _MAX_CTAS_PER_SM = 16  # Hopper/Ampere limit on resident CTAs per SM (warps bound it first here: 64 / 4)
@@ -137,8 +136,8 @@ def _validate(
     for name, t in others.items():
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"q dtype {q.dtype} unsupported; the kernel takes {sorted(map(str, _DTYPE_NAMES))}")
+    if q.dtype not in DTYPE_NAMES:
+        raise ValueError(f"q dtype {q.dtype} unsupported; the kernel takes {sorted(map(str, DTYPE_NAMES))}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -230,7 +229,7 @@ def paged_decode_attention(
     import cupy
 
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel_key = (_DTYPE_NAMES[q.dtype], head_dim, block_size, geometry.heads_per_cta)
+    kernel_key = (DTYPE_NAMES[q.dtype], head_dim, block_size, geometry.heads_per_cta)
     single_kernel, split_kernel, reduce_kernel = _kernels(*kernel_key, device_index)
     if partition_tokens is None:
         num_base_ctas = num_seqs * num_kv_heads * -(-group // geometry.heads_per_cta)

@@ -19,15 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-
 SOURCE_PATH = Path(__file__).with_name("layer_ops.cu")
 MAX_THREADS = 1024
 MAX_NORM_VECS_PER_THREAD = 4  # layer_ops.cu kMaxVecsPerThread: rows up to 4 * 4 * 1024 = 16384 wide
 SILU_THREADS = 256  # 8 columns each
 MAX_GRID_Y = 65535
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # the kernels' 16-bit dtypes, by entry-point suffix
 _OPS = ("rms_norm", "add_rms_norm", "rope", "silu_mul")
-LAYER_OPS_KERNELS = tuple(f"{op}_{dtype}" for op in _OPS for dtype in _DTYPE_NAMES.values()) + ("write_kv_16",)
+LAYER_OPS_KERNELS = tuple(f"{op}_{dtype}" for op in _OPS for dtype in DTYPE_NAMES.values()) + ("write_kv_16",)
 
 
 def cupy_available() -> bool:
@@ -79,9 +78,11 @@ def _launch(name: str, device: torch.device, grid: tuple[int, ...], block: tuple
         kernel(grid, block, args)
 
 
-def supported(act_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :class:`CudaLayerOps` runs here: a CUDA device, CuPy that sees it, bf16 or fp16 activations."""
-    return device.type == "cuda" and act_dtype in _DTYPE_NAMES and cupy_available()
+def supported(act_dtype: torch.dtype, device: torch.device, head_dim: int, hidden_size: int) -> bool:
+    """Whether :class:`CudaLayerOps` runs here for a model of this shape: a CUDA device, CuPy that sees it, bf16
+    or fp16 activations, an even ``head_dim`` up to 2048 and a ``hidden_size`` its norms take."""
+    return (device.type == "cuda" and act_dtype in DTYPE_NAMES and head_dim % 2 == 0
+            and head_dim <= 2 * MAX_THREADS and supports_hidden_size(hidden_size) and cupy_available())
 
 
 def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -122,7 +123,7 @@ def write_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     _, _, pool_heads, block_size, pool_dim = layer_kv.shape
     if v.shape != k.shape or (pool_heads, pool_dim) != (num_kv_heads, head_dim):
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the pool {tuple(layer_kv.shape)}")
-    if k.dtype != layer_kv.dtype or v.dtype != layer_kv.dtype or layer_kv.dtype not in _DTYPE_NAMES:
+    if k.dtype != layer_kv.dtype or v.dtype != layer_kv.dtype or layer_kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"k {k.dtype}, v {v.dtype} and the pool {layer_kv.dtype} must share a 16-bit dtype")
     if k.stride(2) != 1 or v.stride(2) != 1 or layer_kv.stride(4) != 1 or layer_kv.stride(3) != head_dim:
         raise ValueError("k, v and the pool's tiles must be contiguous along head_dim")
@@ -161,7 +162,7 @@ class CudaLayerOps:
     """
 
     def __init__(self, act_dtype: torch.dtype, eps: float, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        if act_dtype not in _DTYPE_NAMES or head_dim % 2 or head_dim > 2 * MAX_THREADS:
+        if act_dtype not in DTYPE_NAMES or head_dim % 2 or head_dim > 2 * MAX_THREADS:
             raise ValueError(f"CudaLayerOps takes bf16/fp16 activations and an even head_dim up to {2 * MAX_THREADS}, "
                              f"got {act_dtype}, {head_dim}")
         self.act_dtype = act_dtype
@@ -169,7 +170,7 @@ class CudaLayerOps:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self._names = {op: f"{op}_{_DTYPE_NAMES[act_dtype]}" for op in _OPS}
+        self._names = {op: f"{op}_{DTYPE_NAMES[act_dtype]}" for op in _OPS}
 
     def _norm_threads(self, x: torch.Tensor, weight: torch.Tensor) -> int:
         hidden = x.shape[1]

@@ -25,6 +25,7 @@ from shared.protocol import Generate, SamplingParams
 from tests.worker.quant_helpers import perplexity, prefill_then_decode, reference_pairs
 from worker.batch import ForwardBatch
 from worker.model import load_model
+from worker.quant import DenseLinear, InputMajorLinear
 
 LOGITS_PROMPTS = [
     "The capital of France is",
@@ -217,3 +218,17 @@ def test_prompt_logits_and_kv_bit_identical_however_chunked_or_cached(gguf_path,
             chunked = model.forward(chunk, chunked_kv)
         assert torch.equal(whole, chunked), f"{num_tokens} tokens split at {splits}"
         assert torch.equal(whole_kv, chunked_kv), f"{num_tokens} tokens split at {splits}"
+
+
+def test_an_input_major_linear_computes_the_dense_layer_and_gives_back_its_weight():
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(5, 32, generator=gen)
+    for b in (None, bias):
+        dense = DenseLinear(weight, b)
+        layer = InputMajorLinear.from_dense(dense)
+        assert layer.weight_t.shape == (32, 48) and layer.weight_t.is_contiguous()
+        assert (layer.in_features, layer.out_features) == (32, 48)
+        torch.testing.assert_close(layer.forward(x), dense.forward(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.tensors()["weight"], weight)
+        assert ("bias" in layer.tensors()) == (b is not None)

@@ -6,8 +6,10 @@ Three measurements, JSON to ``$OUT/decode_profile.json`` (else ``bench/results/g
    model calls it (:func:`worker.quant.padded_linear`, rows padded to a multiple of 8) and as a plain ``F.linear``:
    GPU time from CUDA-graph replays, weight bytes ÷ time in GB/s.
 2. ``steps``: for 1 and 64 running sequences, an engine decode step's wall time split into its host phases
-   (schedule, batch build, graph or eager forward launch, waiting for the sampled tokens, scheduler update) and
-   the GPU time of the decode graph replayed alone.
+   (schedule; with graphs: rows loaded from the host or advanced on the device, the replay's launch; without: batch
+   build, the eager forward's launches, sampling and waiting for the tokens; the scheduler update) and the GPU time
+   of the decode graph replayed alone. With graphs, the step's time not in a phase is mostly the wait for its
+   sampled tokens.
 3. ``kernels``: torch.profiler's table of one eager decode step at 64 sequences (self CUDA time per kernel).
 
 Usage: ``python -m bench.decode_profile [--out PATH] [--model llama-3-8b]``.
@@ -87,10 +89,12 @@ def step_phases(model, kv_cache, graphs, num_seqs: int, steps: int, num_blocks: 
     timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
     timer.wrap(runner.batch_builder, "build", "batch_build")
     if graphs is not None:
-        timer.wrap(graphs, "load", "graph_load_inputs")  # its replay, one launch, shows in sample_and_wait
+        timer.wrap(graphs, "load_rows", "graph_load_rows")  # a step whose sequences changed
+        timer.wrap(graphs, "advance", "graph_advance")  # a steady step: the rows advance on the device
+        timer.wrap(graphs, "replay", "graph_replay_launch")  # the wait for its tokens shows in the step
     else:
         timer.wrap(model, "forward", "eager_forward_launch")
-    timer.wrap(runner.sampler, "greedy", "sample_and_wait")
+        timer.wrap(runner.sampler, "greedy", "sample_and_wait")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):

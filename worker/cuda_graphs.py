@@ -12,6 +12,13 @@ bucket ``b >= n`` (vLLM's and SGLang's scheme)::
                  [n, b)  padding: token 0 at position 0 written to the pad slot (the pool's spare block, never
                          allocated to a sequence), context 1 over that block, so padding reads and writes only it
 
+A graph also derives two of its inputs itself, from the other two: each row's slot, ``block_tables[row, position //
+block_size] * block_size + position % block_size``, and its context length, ``position + 1``. So the host sets only
+input ids, positions and block tables: all three from host arrays (:meth:`DecodeGraphs.load_rows`), or, when a
+step decodes the same sequences in the same rows as the step before, by advancing the buffers on the device
+(:meth:`DecodeGraphs.advance`): positions + 1, the input ids from the last step's sampled ids (device to device),
+and only the block-table rows that gained a block.
+
 The attention plan (the split along the context) is fixed at capture for the longest context the model serves
 (``max_model_len``): a shorter context leaves its trailing partitions empty. Prefill and mixed steps, and decode
 steps larger than the largest bucket, run eagerly. Without CUDA (tests) :class:`DecodeGraphs` runs the padded
@@ -24,6 +31,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
@@ -109,6 +117,82 @@ class DecodeGraphs:
             decode_seqs=[True] * num_rows,
         )
 
+    def _derive_inputs(self, bucket: int) -> None:
+        """Write rows ``[0, bucket)`` of ``slot_mapping`` and ``context_lens`` from ``positions`` and
+        ``block_tables`` (recorded in each graph; run before an eager step of the static batch)."""
+        positions = self.positions[:bucket]
+        block_idx = torch.div(positions, self.block_size, rounding_mode="floor").unsqueeze(1)
+        blocks = self.block_tables[:bucket].gather(1, block_idx).squeeze(1).to(torch.int64)
+        torch.add(blocks * self.block_size, positions % self.block_size, out=self.slot_mapping[:bucket])
+        self.context_lens[:bucket].copy_(positions + 1)
+
+    def load_rows(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> int | None:
+        """Write a decode step of ``n`` sequences from host arrays into the static rows ``[0, n)`` and reset the
+        padding rows ``[n, bucket)``.
+
+        Args:
+            input_ids: ``[n]`` int64, the token each sequence decodes.
+            positions: ``[n]`` int64, its position (the tokens already in the pool).
+            block_tables: ``[n, width]`` integer block ids (``width`` <= the static table's).
+
+        Returns:
+            The bucket, or None when ``n`` is larger than the largest bucket (run it eagerly).
+        """
+        num_seqs = input_ids.shape[0]
+        bucket = bucket_for(self.sizes, num_seqs)
+        if bucket is None:
+            return None
+        width = block_tables.shape[1]
+        self.input_ids[:num_seqs].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:num_seqs].copy_(torch.from_numpy(positions), non_blocking=True)
+        tables = torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32))
+        self.block_tables[:num_seqs, :width].copy_(tables, non_blocking=True)
+        if bucket > num_seqs:  # earlier, larger steps left their rows here
+            self.input_ids[num_seqs:bucket].zero_()
+            self.positions[num_seqs:bucket].zero_()
+            self.block_tables[num_seqs:bucket, 0].fill_(self.pad_block_id)
+        return bucket
+
+    def advance(self, num_seqs: int, input_ids: torch.Tensor, rows: list[int], row_tables: list[list[int]]) -> int:
+        """Turn the static rows of the last step into the next step of the same ``num_seqs`` sequences in the same
+        rows, each one token further: positions + 1, ``input_ids`` as the new tokens, and the block tables of
+        ``rows`` replaced by ``row_tables`` (the rows whose table grew). Padding rows stay as they were.
+
+        Args:
+            num_seqs: sequences of the last step and of this one (rows ``[0, num_seqs)``).
+            input_ids: ``[num_seqs]`` int64 on the device (the last step's sampled ids) or on the host.
+            rows: the rows whose block table changed; ``row_tables`` their new tables.
+
+        Returns:
+            The bucket.
+        """
+        self.positions[:num_seqs].add_(1)
+        self.input_ids[:num_seqs].copy_(input_ids, non_blocking=True)
+        if rows:
+            width = max(map(len, row_tables))
+            values = np.zeros((len(rows), width), dtype=np.int32)
+            for i, table in enumerate(row_tables):
+                values[i, : len(table)] = table
+            index = torch.tensor(rows, dtype=torch.int64).to(self.block_tables.device, non_blocking=True)
+            self.block_tables[index, :width] = torch.from_numpy(values).to(self.block_tables.device,
+                                                                           non_blocking=True)
+        return bucket_for(self.sizes, num_seqs)
+
+    def replay(self, bucket: int, num_seqs: int, seq_lens: list[int] | None = None) -> torch.Tensor:
+        """Run the step loaded in the static rows through the graph of ``bucket``; return the logits of rows
+        ``[0, num_seqs)`` (``[num_seqs, vocab]`` float32, valid until the next call).
+
+        ``seq_lens`` (host ints, one per sequence) is read only without captured graphs, where the padded static
+        batch runs eagerly (the torch attention backend reads host lengths).
+        """
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            return self._outputs[bucket][:num_seqs]
+        self._derive_inputs(bucket)
+        lens = (seq_lens if seq_lens is not None else (self.positions[:num_seqs] + 1).tolist())
+        return self.model.forward(self.static_batch(bucket, list(lens) + [1] * (bucket - num_seqs)),
+                                  self.kv_cache)[:num_seqs]
+
     def load(self, batch: ForwardBatch) -> int | None:
         """Copy a decode batch into the static rows ``[0, n)`` and reset the padding rows ``[n, bucket)``.
 
@@ -173,10 +257,12 @@ class DecodeGraphs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(NUM_WARMUP_RUNS):
+                        self._derive_inputs(bucket)
                         self.model.forward(batch, self.kv_cache)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
+                    self._derive_inputs(bucket)
                     self._outputs[bucket] = self.model.forward(batch, self.kv_cache)
                 self._graphs[bucket] = graph
         torch.cuda.synchronize()

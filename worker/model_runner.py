@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
-from worker.cuda_graphs import DecodeGraphs
+from worker.cuda_graphs import DecodeGraphs, bucket_for
 from worker.sampling import Sampler, TokenLogprobs, token_logprobs
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
@@ -149,6 +149,11 @@ class BatchBuilder:
             is_decode_only=True,
             decode_seqs=[True] * num_seqs,
         )
+
+    def decode_tables(self, tables_list: list[list[int]]) -> np.ndarray:
+        """The block tables ``[num_seqs, max_blocks]`` int64 of a decode step, 0-padded (a view of the reused
+        buffer, valid until the next call)."""
+        return self._update_tables(tables_list)
 
     def _update_tables(self, tables_list: list[list[int]]) -> np.ndarray:
         """:meth:`_fill_tables` for a decode step: rewrite only the rows whose table differs from the one the last
@@ -304,6 +309,7 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(block_size, device)
         self.step_logprobs: dict[str, TokenLogprobs] = {}
         self._plan = _SamplingPlan([])
+        self._graph_step: _GraphStep | None = None
 
     def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
@@ -317,22 +323,34 @@ class ModelRunner:
         Raises:
             StepAbandoned: ``should_stop`` said so.
         """
-        batch = self.batch_builder.build(out)
-        sampling = out.scheduled if out.all_decode else [item for item in out.scheduled if item.sample]
         self.step_logprobs = {}
-        if not sampling:
+        logits = graph_step = None
+        if out.all_decode and self.decode_graphs is not None:
             with torch.inference_mode():
-                self.model.forward(batch, self.kv_cache, should_stop)
-            return {}
-        with torch.inference_mode():
-            logits = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
-            if logits is None:
+                logits = self._replay_decode(out)
+            if logits is not None:
+                graph_step = self._graph_step
+        self._graph_step = None  # this step's, once it has sampled: the next step may advance from it
+        if logits is None:
+            batch = self.batch_builder.build(out)
+            sampling = out.scheduled if out.all_decode else [item for item in out.scheduled if item.sample]
+            if not sampling:
+                with torch.inference_mode():
+                    self.model.forward(batch, self.kv_cache, should_stop)
+                return {}
+            with torch.inference_mode():
                 logits = self.model.forward(batch, self.kv_cache, should_stop)
+        else:
+            sampling = out.scheduled
         seqs = [item.seq for item in sampling]
         plan = self._plan
         if plan.seqs != seqs:  # Sequence compares by identity
             plan = self._plan = _SamplingPlan(seqs)
-        if plan.all_greedy and logits.shape[0] == len(seqs):
+        if plan.all_greedy and graph_step is not None:
+            sampled_ids = logits.max(dim=-1).indices  # the next step's input ids, kept on the device
+            token_ids = sampled_ids.tolist()
+            graph_step.next_input_ids = sampled_ids
+        elif plan.all_greedy and logits.shape[0] == len(seqs):
             token_ids = self.sampler.greedy(logits)  # what sample() returns, without its per-row checks
         else:
             output_lens = [len(seq.output_token_ids) for seq in seqs]
@@ -342,7 +360,61 @@ class ModelRunner:
             picked = logits if len(rows) == len(sampling) else logits[rows]
             found = token_logprobs(picked, [token_ids[r] for r in rows], [seqs[r].sampling.top_logprobs for r in rows])
             self.step_logprobs = {seqs[r].request_id: lp for r, lp in zip(rows, found)}
+        self._graph_step = graph_step  # without next_input_ids (sampled on the host) the next step uploads them
         return dict(zip(plan.request_ids, token_ids))
+
+    def _replay_decode(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run a decode step (``out.all_decode``) through :attr:`decode_graphs`; return its logits ``[num_seqs,
+        vocab]``, or None when no graph holds that many sequences (the caller runs the step eagerly).
+
+        When the step decodes the same sequences in the same order as the last graph step, each one token further
+        (the steady state between arrivals and finishes), the static buffers advance on the device
+        (:meth:`DecodeGraphs.advance`) and no batch is built on the host; otherwise the step's rows are written from
+        host arrays (:meth:`DecodeGraphs.load_rows`). Sets :attr:`_graph_step` to this step.
+        """
+        graphs = self.decode_graphs
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        if bucket_for(graphs.sizes, num_seqs) is None:
+            return None
+        seqs = [item.seq for item in scheduled]
+        tables = [item.block_ids for item in scheduled]
+        positions = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
+        last = self._graph_step
+        if last is not None and last.seqs == seqs and np.array_equal(positions, last.positions + 1):
+            rows = [r for r, (new, old) in enumerate(zip(tables, last.tables)) if new is not old]
+            input_ids = last.next_input_ids
+            if input_ids is None:
+                input_ids = torch.from_numpy(np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64,
+                                                         count=num_seqs))
+            bucket = graphs.advance(num_seqs, input_ids, rows, [tables[r] for r in rows])
+        else:
+            input_ids = np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64, count=num_seqs)
+            bucket = graphs.load_rows(input_ids, positions, self.batch_builder.decode_tables(tables))
+        self._graph_step = _GraphStep(seqs, tables, positions)
+        seq_lens = None if graphs.captured else (positions + 1).tolist()
+        return graphs.replay(bucket, num_seqs, seq_lens)
+
+
+class _GraphStep:
+    """The last decode step that ran through a graph, for the next one to advance from (:meth:`ModelRunner.run`).
+
+    Attributes:
+        seqs: its sequences, in row order.
+        tables: each sequence's block table as scheduled (``ScheduledSeq.block_ids``: the same list object while
+            the table does not grow).
+        positions: ``[num_seqs]`` int64, each sequence's position in that step.
+        next_input_ids: ``[num_seqs]`` int64 on the model's device, the ids it sampled (greedy), or None when they
+            were sampled on the host.
+    """
+
+    __slots__ = ("seqs", "tables", "positions", "next_input_ids")
+
+    def __init__(self, seqs: list[Sequence], tables: list[list[int]], positions: np.ndarray) -> None:
+        self.seqs = seqs
+        self.tables = tables
+        self.positions = positions
+        self.next_input_ids: torch.Tensor | None = None
 
 
 class _SamplingPlan:

@@ -7,11 +7,18 @@ CUDA and CuPy) compares graph replays with eager steps.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
+from shared.protocol import Generate, SamplingParams
 from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
+from worker.engine import Engine
+from worker.kv_cache.manager import KVCacheManager
+from worker.model_runner import ModelRunner
+from worker.scheduler import Scheduler
 from worker.synthetic import build_synthetic_model, synthetic_spec
 
 BLOCK_SIZE = 16
@@ -111,3 +118,102 @@ def test_graph_replays_equal_eager_decode_steps_on_cuda():
         assert (replayed - eager).abs().max() <= 0.05 * eager.abs().max()
     pool, eager_pool = kv_cache[:, :, :NUM_BLOCKS].float(), eager_pool[:, :, :NUM_BLOCKS].float()
     assert (pool - eager_pool).abs().max() <= 0.05 * eager_pool.abs().max()
+
+
+class _RowsFromTheHostRunner(ModelRunner):
+    """A runner that never advances the static rows on the device: every graph step loads them from the host."""
+
+    def run(self, out, should_stop=None):
+        self._graph_step = None
+        return super().run(out, should_stop)
+
+
+def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
+           ) -> tuple[dict, dict, list[int], list[list[float]]]:
+    """Run ``workload`` (arrivals and aborts per step) through an engine whose runner has decode graphs (captured
+    on CUDA; on the CPU the static batch runs eagerly); return each request's tokens, finish reasons, per step
+    advanced on the device the number of table rows it rewrote, and per graph step a fingerprint of each row's
+    logits."""
+    # an untied head: with tied embeddings a random model's greedy token repeats its input token
+    spec = synthetic_spec("llama-3-tiny", max_position_embeddings=256, tie_word_embeddings=False)
+    mode, attention = ("float32", "torch") if device == "cpu" else ("bfloat16", "cupy")
+    model = build_synthetic_model(spec, mode, device, attention_backend=attention, seed=1)
+    kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
+    graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max_num_seqs=8, max_model_len=256, pad_block_id=num_blocks)
+    if device == "cuda":
+        graphs.capture()
+    runner = runner_cls(model, kv_cache, BLOCK_SIZE, torch.device(device), graphs)
+    advanced: list[int] = []
+    advance = graphs.advance
+
+    def counted(num_seqs, input_ids, rows, row_tables):
+        advanced.append(len(rows))
+        return advance(num_seqs, input_ids, rows, row_tables)
+
+    graphs.advance = counted
+    replay = graphs.replay
+    probe = torch.randn(model.spec.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    probe = probe.to(device)
+    fingerprints: list[list[float]] = []
+
+    def fingerprinted(*args):  # one number per row of logits, to compare the steps exactly
+        logits = replay(*args)
+        fingerprints.append((logits.double() @ probe).tolist())
+        return logits
+
+    graphs.replay = fingerprinted
+    engine = Engine(Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE), 8, 64, 256), runner, [])
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    for arrivals, aborts in workload:
+        for msg in arrivals:
+            engine.add(msg.request_id, msg)
+        for request_id in aborts:
+            engine.abort(request_id)
+        for event in engine.step().events:
+            tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
+            if event.finish_reason is not None:
+                reasons[event.request_id] = event.finish_reason
+    while engine.has_work():
+        for event in engine.step().events:
+            tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
+            if event.finish_reason is not None:
+                reasons[event.request_id] = event.finish_reason
+    return tokens, reasons, advanced, fingerprints
+
+
+def _workload(rng: random.Random) -> list:
+    """160 steps' arrivals (greedy and seeded sampling, up to 40 prompt and 60 output tokens) and aborts."""
+    stop_ids = rng.sample(range(128256), 2000)  # about one token in 64 ends its request
+    workload = []
+    for step in range(160):
+        arrivals = []
+        if step < 100 and rng.random() < 0.12:
+            sampling = SamplingParams(temperature=0.0) if rng.random() < 0.6 else SamplingParams(temperature=0.9,
+                                                                                               seed=step)
+            arrivals.append(Generate(f"r{step}", [rng.randrange(1, 128256) for _ in range(rng.randrange(1, 40))],
+                                     sampling, rng.randrange(1, 60), stop_token_ids=stop_ids))
+        aborts = [f"r{step - 30}"] if step >= 30 and rng.random() < 0.05 else []
+        workload.append((arrivals, aborts))
+    return workload
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_steps_advanced_on_the_device_equal_steps_loaded_from_the_host(device):
+    """Greedy and seeded sampling, arrivals, stop tokens, length limits, aborts and tables growing a block every 16
+    tokens: the rows a graph step advances on the device (positions + 1, the sampled ids, the grown table rows) give
+    the same logits, bit for bit, and tokens as rows written from the host every step."""
+    if device == "cuda":
+        pytest.importorskip("cupy", reason="CuPy is not installed")
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+    workload = _workload(random.Random(3))
+    advanced_tokens, advanced_reasons, num_advanced, advanced_logits = _serve(ModelRunner, workload, device)
+    loaded_tokens, loaded_reasons, num_loaded_advanced, loaded_logits = _serve(_RowsFromTheHostRunner, workload,
+                                                                               device)
+    assert not num_loaded_advanced and len(num_advanced) > 40  # the steady steps took the device path
+    assert sum(1 for rows in num_advanced if rows) >= 3  # and some of them grew a table
+    assert advanced_logits == loaded_logits  # bit for bit: the same rows, however they were written
+    assert advanced_tokens == loaded_tokens
+    assert advanced_reasons == loaded_reasons
+    assert {"stop", "length"} <= set(advanced_reasons.values())

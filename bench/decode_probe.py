@@ -178,7 +178,7 @@ def engine() -> None:
     emit("engine", {"copy_gb_s": copy})
     model = build_synthetic_model(synthetic_spec("llama-3-8b"), "bfloat16", "cuda", attention_backend="cupy")
     blocks_per_seq = -(-(512 + 48 + 16 + 16) // BLOCK_SIZE)
-    num_blocks = 64 * blocks_per_seq + 8
+    num_blocks = 256 * blocks_per_seq + 8
     kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
     for backend in ("cublas", "cublaslt", "cublas"):
         torch.backends.cuda.preferred_blas_library(backend)
@@ -186,6 +186,58 @@ def engine() -> None:
         graphs.capture()
         result = step_phases(model, kv_cache, graphs, 64, 48, num_blocks)
         emit("engine", {"blas": backend, **result})
+        del graphs
+        torch.cuda.empty_cache()
+
+
+def ab() -> None:
+    """In one process: the engine's decode step with cuBLAS and with cuBLASLt, the graph rows advanced on the device
+    and loaded from the host every step, and eager steps (host-bound at small batches); the host cost of one
+    ``DecodeGraphs.advance`` alone."""
+    from bench.decode_profile import step_phases
+    from bench.engine_bench import BLOCK_SIZE
+    from worker import model_runner
+    from worker.cuda_graphs import DecodeGraphs
+    from worker.synthetic import build_synthetic_model, synthetic_spec
+
+    class NotAhead(model_runner.ModelRunner):
+        def _may_launch_ahead(self, step) -> bool:
+            return False
+
+    class RowsFromTheHost(NotAhead):
+        def run(self, out, should_stop=None):
+            self._graph_step = None
+            return super().run(out, should_stop)
+
+    model = build_synthetic_model(synthetic_spec("llama-3-8b"), "bfloat16", "cuda", attention_backend="cupy")
+    blocks_per_seq = -(-(512 + 48 + 16 + 16) // BLOCK_SIZE)
+    num_blocks = 256 * blocks_per_seq + 8
+    kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
+    real_runner = model_runner.ModelRunner
+    runners = {"ahead": real_runner, "advanced": NotAhead, "from_host": RowsFromTheHost}
+    for backend in ("cublaslt", "cublas"):
+        torch.backends.cuda.preferred_blas_library(backend)
+        graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, 256, blocks_per_seq * BLOCK_SIZE, pad_block_id=num_blocks)
+        graphs.capture()
+        for rows, runner_cls in runners.items():
+            import bench.engine_bench as eb
+            eb.ModelRunner = runner_cls
+            for n in (1, 64, 256) if backend == "cublaslt" else (1, 64):
+                emit("ab", {"blas": backend, "rows": rows, **step_phases(model, kv_cache, graphs, n, 48, num_blocks)})
+        eb.ModelRunner = real_runner
+        for n in (1, 64):
+            emit("ab", {"blas": backend, "rows": "eager", **step_phases(model, kv_cache, None, n, 16, num_blocks)})
+        ids = torch.zeros(64, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(200):
+            graphs.advance(64, ids, [], [])
+        emit("ab", {"blas": backend, "advance_host_us": (time.perf_counter() - started) / 200 * 1e6})
+        started = time.perf_counter()
+        for _ in range(200):
+            graphs.positions[:64].add_(1)
+        emit("ab", {"blas": backend, "one_add_host_us": (time.perf_counter() - started) / 200 * 1e6})
+        torch.cuda.synchronize()
         del graphs
         torch.cuda.empty_cache()
 

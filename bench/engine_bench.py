@@ -4,8 +4,9 @@ The worker's own parts: :func:`worker.synthetic.build_synthetic_model` (bf16 ran
 CuPy attention backend, the KV pool, :class:`worker.scheduler.Scheduler`, :class:`worker.engine.Engine` and
 :class:`worker.model_runner.ModelRunner` with or without :class:`worker.cuda_graphs.DecodeGraphs`. For each number
 of running sequences N in {1, 64, 256}: N prompts of ``--prompt-tokens`` random token ids are prefilled, then
-``--steps`` decode steps are timed (each step ends with the sampled tokens on the host, so a step's wall time is
-its real time). Per point:
+``--steps`` decode steps are timed (each step ends with its sampled tokens on the host; a step the runner launched
+ahead of the scheduler counts in the window where it runs: the warm-up's finishes before the clock starts, the last
+step's before it stops). Per point:
 
 - ``decode_tokens_per_s``: N × steps ÷ wall time;
 - roofline: a decode step must read every weight once (embedding rows aside) and the K/V of every sequence's
@@ -103,6 +104,7 @@ def decode_run(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prom
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    torch.cuda.synchronize()  # the step the last one launched ahead counts: the warm-up's was done before start
     wall_s = time.perf_counter() - start
     mean_context = prompt_tokens + 3 + steps / 2
     result = {"num_seqs": num_seqs, "steps": steps, "wall_s": wall_s, "prefill_s": prefill_s,

@@ -295,6 +295,12 @@ class ModelRunner:
         device: the model's device.
         decode_graphs: when set, decode-only steps run through it (:class:`worker.cuda_graphs.DecodeGraphs`: CUDA
             graphs per batch-size bucket); other steps run the model eagerly.
+
+    With decode graphs, a greedy decode step launches the next one before reading its own tokens (one step ahead,
+    as vLLM's async scheduling): the same sequences one token further, their input ids the sampled ids on the
+    device. While the GPU runs it, the host reads the tokens, the engine updates the scheduler and schedules; when
+    the scheduler decides that same step, :meth:`run` takes its logits instead of launching it, and the host's work
+    hides behind the GPU's. A step that differs (an arrival, a finish, an abort, a table that grows) drops it.
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device,
@@ -310,6 +316,7 @@ class ModelRunner:
         self.step_logprobs: dict[str, TokenLogprobs] = {}
         self._plan = _SamplingPlan([])
         self._graph_step: _GraphStep | None = None
+        self._ahead: _GraphStep | None = None  # a decode step launched before the scheduler decided it
 
     def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
@@ -325,9 +332,10 @@ class ModelRunner:
         """
         self.step_logprobs = {}
         logits = graph_step = None
+        ahead, self._ahead = self._ahead, None
         if out.all_decode and self.decode_graphs is not None:
             with torch.inference_mode():
-                logits = self._replay_decode(out)
+                logits = self._replay_decode(out, ahead)
             if logits is not None:
                 graph_step = self._graph_step
         self._graph_step = None  # this step's, once it has sampled: the next step may advance from it
@@ -348,8 +356,11 @@ class ModelRunner:
             plan = self._plan = _SamplingPlan(seqs)
         if plan.all_greedy and graph_step is not None:
             sampled_ids = logits.max(dim=-1).indices  # the next step's input ids, kept on the device
-            token_ids = sampled_ids.tolist()
             graph_step.next_input_ids = sampled_ids
+            if not plan.logprob_rows and self._may_launch_ahead(graph_step):
+                with torch.inference_mode():
+                    self._ahead = self._launch_ahead(graph_step)
+            token_ids = sampled_ids.tolist()  # waits for this step's graph only
         elif plan.all_greedy and logits.shape[0] == len(seqs):
             token_ids = self.sampler.greedy(logits)  # what sample() returns, without its per-row checks
         else:
@@ -363,14 +374,16 @@ class ModelRunner:
         self._graph_step = graph_step  # without next_input_ids (sampled on the host) the next step uploads them
         return dict(zip(plan.request_ids, token_ids))
 
-    def _replay_decode(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def _replay_decode(self, out: SchedulerOutput, ahead: _GraphStep | None) -> torch.Tensor | None:
         """Run a decode step (``out.all_decode``) through :attr:`decode_graphs`; return its logits ``[num_seqs,
         vocab]``, or None when no graph holds that many sequences (the caller runs the step eagerly).
 
-        When the step decodes the same sequences in the same order as the last graph step, each one token further
-        (the steady state between arrivals and finishes), the static buffers advance on the device
-        (:meth:`DecodeGraphs.advance`) and no batch is built on the host; otherwise the step's rows are written from
-        host arrays (:meth:`DecodeGraphs.load_rows`). Sets :attr:`_graph_step` to this step.
+        ``ahead`` is the step the last one launched ahead (:meth:`_launch_ahead`); when it is this step (the same
+        sequences, positions and block tables) its logits are this step's, already on their way. Otherwise, when the
+        step decodes the same sequences in the same order as the last graph step, each one token further (the
+        steady state between arrivals and finishes), the static buffers advance on the device
+        (:meth:`DecodeGraphs.advance`) and no batch is built on the host; else the step's rows are written from host
+        arrays (:meth:`DecodeGraphs.load_rows`). Sets :attr:`_graph_step` to this step.
         """
         graphs = self.decode_graphs
         scheduled = out.scheduled
@@ -381,6 +394,12 @@ class ModelRunner:
         tables = [item.block_ids for item in scheduled]
         positions = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
         last = self._graph_step
+        if ahead is not None:
+            if (ahead.seqs == seqs and np.array_equal(positions, ahead.positions)
+                    and all(map(operator.is_, tables, ahead.tables))):
+                self._graph_step = ahead
+                return ahead.logits
+            last = None  # the static rows hold the step launched ahead: rewrite them from the host
         if last is not None and last.seqs == seqs and np.array_equal(positions, last.positions + 1):
             rows = [r for r, (new, old) in enumerate(zip(tables, last.tables)) if new is not old]
             input_ids = last.next_input_ids
@@ -395,6 +414,32 @@ class ModelRunner:
         seq_lens = None if graphs.captured else (positions + 1).tolist()
         return graphs.replay(bucket, num_seqs, seq_lens)
 
+    def _may_launch_ahead(self, step: _GraphStep) -> bool:
+        """Whether the step after ``step`` may be launched before ``step``'s tokens reach the host: each sequence's
+        next token has its KV slot in a block it holds already, and none ends by its length with ``step``'s token.
+        (One that ends by a stop token or an abort makes the next step differ, and the step launched ahead is then
+        dropped: it wrote K/V only past the valid tokens of its sequences' own last blocks.)"""
+        seqs = step.seqs
+        graphs_len = self.decode_graphs.max_model_len  # past it a sequence ends (the scheduler's context length)
+        slots = np.fromiter(map(len, step.tables), dtype=np.int64, count=len(seqs)) * self.block_size
+        if not bool(np.all(step.positions + 1 < slots)) or not bool(np.all(step.positions + 2 < graphs_len)):
+            return False
+        return all(len(seq.output_token_ids) + 1 < seq.max_tokens for seq in seqs)
+
+    def _launch_ahead(self, step: _GraphStep) -> _GraphStep:
+        """Launch the decode step after ``step`` (graph) before ``step``'s tokens are read: the same sequences, one
+        token further, with ``step``'s sampled ids (on the device) as input. Its K/V writes and logits follow
+        ``step``'s on the stream, so the host's scheduling of the next step overlaps the GPU's work; the next
+        :meth:`run` takes its logits when the scheduler decides that same step (:meth:`_replay_decode`)."""
+        graphs = self.decode_graphs
+        num_seqs = len(step.seqs)
+        positions = step.positions + 1
+        bucket = graphs.advance(num_seqs, step.next_input_ids, [], [])
+        seq_lens = None if graphs.captured else (positions + 1).tolist()
+        ahead = _GraphStep(step.seqs, step.tables, positions)
+        ahead.logits = graphs.replay(bucket, num_seqs, seq_lens)
+        return ahead
+
 
 class _GraphStep:
     """The last decode step that ran through a graph, for the next one to advance from (:meth:`ModelRunner.run`).
@@ -406,15 +451,17 @@ class _GraphStep:
         positions: ``[num_seqs]`` int64, each sequence's position in that step.
         next_input_ids: ``[num_seqs]`` int64 on the model's device, the ids it sampled (greedy), or None when they
             were sampled on the host.
+        logits: of a step launched ahead, its logits ``[num_seqs, vocab]`` (a view of the graph's output).
     """
 
-    __slots__ = ("seqs", "tables", "positions", "next_input_ids")
+    __slots__ = ("seqs", "tables", "positions", "next_input_ids", "logits")
 
     def __init__(self, seqs: list[Sequence], tables: list[list[int]], positions: np.ndarray) -> None:
         self.seqs = seqs
         self.tables = tables
         self.positions = positions
         self.next_input_ids: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
 
 
 class _SamplingPlan:

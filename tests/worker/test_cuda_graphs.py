@@ -121,19 +121,23 @@ def test_graph_replays_equal_eager_decode_steps_on_cuda():
 
 
 class _RowsFromTheHostRunner(ModelRunner):
-    """A runner that never advances the static rows on the device: every graph step loads them from the host."""
+    """A runner that never advances the static rows on the device nor launches a step ahead: every graph step loads
+    its rows from the host after the scheduler decided it."""
 
     def run(self, out, should_stop=None):
         self._graph_step = None
         return super().run(out, should_stop)
 
+    def _may_launch_ahead(self, step) -> bool:
+        return False
+
 
 def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
-           ) -> tuple[dict, dict, list[int], list[list[float]]]:
+           ) -> tuple[dict, dict, list[int], list[list[float]], int]:
     """Run ``workload`` (arrivals and aborts per step) through an engine whose runner has decode graphs (captured
     on CUDA; on the CPU the static batch runs eagerly); return each request's tokens, finish reasons, per step
-    advanced on the device the number of table rows it rewrote, and per graph step a fingerprint of each row's
-    logits."""
+    advanced on the device the number of table rows it rewrote, per graph step a fingerprint of each row's logits,
+    and how many steps took the logits of a step launched ahead."""
     # an untied head: with tied embeddings a random model's greedy token repeats its input token
     spec = synthetic_spec("llama-3-tiny", max_position_embeddings=256, tie_word_embeddings=False)
     mode, attention = ("float32", "torch") if device == "cpu" else ("bfloat16", "cupy")
@@ -151,17 +155,21 @@ def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
         return advance(num_seqs, input_ids, rows, row_tables)
 
     graphs.advance = counted
-    replay = graphs.replay
+    replay_decode = runner._replay_decode
     probe = torch.randn(model.spec.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     probe = probe.to(device)
     fingerprints: list[list[float]] = []
+    ahead_taken = 0
 
-    def fingerprinted(*args):  # one number per row of logits, to compare the steps exactly
-        logits = replay(*args)
-        fingerprints.append((logits.double() @ probe).tolist())
+    def fingerprinted(out, ahead):  # one number per row of a graph step's logits, to compare the steps exactly
+        nonlocal ahead_taken
+        logits = replay_decode(out, ahead)
+        if logits is not None:
+            fingerprints.append((logits.double() @ probe).tolist())
+            ahead_taken += ahead is not None and logits is ahead.logits
         return logits
 
-    graphs.replay = fingerprinted
+    runner._replay_decode = fingerprinted
     engine = Engine(Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE), 8, 64, 256), runner, [])
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -179,7 +187,7 @@ def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
             tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
             if event.finish_reason is not None:
                 reasons[event.request_id] = event.finish_reason
-    return tokens, reasons, advanced, fingerprints
+    return tokens, reasons, advanced, fingerprints, ahead_taken
 
 
 def _workload(rng: random.Random) -> list:
@@ -201,19 +209,23 @@ def _workload(rng: random.Random) -> list:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_decode_steps_advanced_on_the_device_equal_steps_loaded_from_the_host(device):
     """Greedy and seeded sampling, arrivals, stop tokens, length limits, aborts and tables growing a block every 16
-    tokens: the rows a graph step advances on the device (positions + 1, the sampled ids, the grown table rows) give
-    the same logits, bit for bit, and tokens as rows written from the host every step."""
+    tokens: steps launched ahead of the scheduler's decision and rows advanced on the device (positions + 1, the
+    sampled ids, the grown table rows) give the same logits, bit for bit, and tokens as rows written from the host
+    after each decision."""
     if device == "cuda":
         pytest.importorskip("cupy", reason="CuPy is not installed")
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
     workload = _workload(random.Random(3))
-    advanced_tokens, advanced_reasons, num_advanced, advanced_logits = _serve(ModelRunner, workload, device)
-    loaded_tokens, loaded_reasons, num_loaded_advanced, loaded_logits = _serve(_RowsFromTheHostRunner, workload,
-                                                                               device)
-    assert not num_loaded_advanced and len(num_advanced) > 40  # the steady steps took the device path
-    assert sum(1 for rows in num_advanced if rows) >= 3  # and some of them grew a table
+    advanced_tokens, advanced_reasons, num_advanced, advanced_logits, num_ahead = _serve(ModelRunner, workload,
+                                                                                         device)
+    loaded_tokens, loaded_reasons, num_loaded_advanced, loaded_logits, no_ahead = _serve(_RowsFromTheHostRunner,
+                                                                                         workload, device)
+    # the steady steps took the device paths: launched ahead, else advanced (some growing a table)
     assert advanced_logits == loaded_logits  # bit for bit: the same rows, however they were written
+    assert not num_loaded_advanced and not no_ahead
+    assert num_ahead >= 15 and len(num_advanced) >= 40
+    assert sum(1 for rows in num_advanced if rows) >= 3
     assert advanced_tokens == loaded_tokens
     assert advanced_reasons == loaded_reasons
     assert {"stop", "length"} <= set(advanced_reasons.values())

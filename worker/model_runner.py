@@ -317,6 +317,8 @@ class ModelRunner:
         self._plan = _SamplingPlan([])
         self._graph_step: _GraphStep | None = None
         self._ahead: _GraphStep | None = None  # a decode step launched before the scheduler decided it
+        self._host_ids: torch.Tensor | None = None  # pinned: a step's sampled ids, read while the next one runs
+        self._ids_copied: torch.cuda.Event | None = None
 
     def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
@@ -358,9 +360,16 @@ class ModelRunner:
             sampled_ids = logits.max(dim=-1).indices  # the next step's input ids, kept on the device
             graph_step.next_input_ids = sampled_ids
             if not plan.logprob_rows and self._may_launch_ahead(graph_step):
+                # the ids' copy to the host goes before the next step on the stream: reading them waits for
+                # this step only
+                host_ids, copied = self._copy_ids_to_host(sampled_ids)
                 with torch.inference_mode():
                     self._ahead = self._launch_ahead(graph_step)
-            token_ids = sampled_ids.tolist()  # waits for this step's graph only
+                if copied is not None:
+                    copied.synchronize()
+                token_ids = host_ids.tolist()
+            else:
+                token_ids = sampled_ids.tolist()
         elif plan.all_greedy and logits.shape[0] == len(seqs):
             token_ids = self.sampler.greedy(logits)  # what sample() returns, without its per-row checks
         else:
@@ -413,6 +422,21 @@ class ModelRunner:
         self._graph_step = _GraphStep(seqs, tables, positions)
         seq_lens = None if graphs.captured else (positions + 1).tolist()
         return graphs.replay(bucket, num_seqs, seq_lens)
+
+    def _copy_ids_to_host(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying ``ids`` (``[n]`` int64) to the host: on CUDA into a reused pinned buffer, asynchronously,
+        with an event recorded after the copy (synchronize it, then read the buffer); elsewhere ``ids`` itself."""
+        if ids.device.type != "cuda":
+            return ids, None
+        num_ids = ids.shape[0]
+        if self._host_ids is None or self._host_ids.shape[0] < num_ids:
+            self._host_ids = torch.empty(max(num_ids, self.decode_graphs.sizes[-1]), dtype=torch.int64,
+                                         pin_memory=True)
+            self._ids_copied = torch.cuda.Event()
+        host_ids = self._host_ids[:num_ids]
+        host_ids.copy_(ids, non_blocking=True)
+        self._ids_copied.record()
+        return host_ids, self._ids_copied
 
     def _may_launch_ahead(self, step: _GraphStep) -> bool:
         """Whether the step after ``step`` may be launched before ``step``'s tokens reach the host: each sequence's

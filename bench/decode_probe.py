@@ -198,23 +198,33 @@ def ab() -> None:
     from bench.engine_bench import BLOCK_SIZE
     from worker import model_runner
     from worker.cuda_graphs import DecodeGraphs
+    from worker.graph_decoder import GraphDecoder
     from worker.synthetic import build_synthetic_model, synthetic_spec
 
-    class NotAhead(model_runner.ModelRunner):
+    class NotAheadDecoder(GraphDecoder):
         def _may_launch_ahead(self, step) -> bool:
             return False
 
-    class RowsFromTheHost(NotAhead):
-        def run(self, out, should_stop=None):
-            self._graph_step = None
-            return super().run(out, should_stop)
+    class RowsFromTheHostDecoder(NotAheadDecoder):
+        def forward(self, out):
+            self._last = None
+            return super().forward(out)
+
+    def runner_with(decoder_cls):
+        class Runner(model_runner.ModelRunner):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                if self.graph_decoder is not None:
+                    self.graph_decoder = decoder_cls(self.decode_graphs, self.batch_builder.decode_tables)
+        return Runner
 
     model = build_synthetic_model(synthetic_spec("llama-3-8b"), "bfloat16", "cuda", attention_backend="cupy")
     blocks_per_seq = -(-(512 + 48 + 16 + 16) // BLOCK_SIZE)
     num_blocks = 256 * blocks_per_seq + 8
     kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
     real_runner = model_runner.ModelRunner
-    runners = {"ahead": real_runner, "advanced": NotAhead, "from_host": RowsFromTheHost}
+    runners = {"ahead": real_runner, "advanced": runner_with(NotAheadDecoder),
+               "from_host": runner_with(RowsFromTheHostDecoder)}
     for backend in ("cublaslt", "cublas"):
         torch.backends.cuda.preferred_blas_library(backend)
         graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, 256, blocks_per_seq * BLOCK_SIZE, pad_block_id=num_blocks)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from worker.batch import ForwardBatch
-from worker.cuda_graphs import DecodeGraphs, bucket_for
+from worker.cuda_graphs import DecodeGraphs
+from worker.graph_decoder import GraphDecoder
 from worker.sampling import Sampler, TokenLogprobs, token_logprobs
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
@@ -296,11 +297,9 @@ class ModelRunner:
         decode_graphs: when set, decode-only steps run through it (:class:`worker.cuda_graphs.DecodeGraphs`: CUDA
             graphs per batch-size bucket); other steps run the model eagerly.
 
-    With decode graphs, a greedy decode step launches the next one before reading its own tokens (one step ahead,
-    as vLLM's async scheduling): the same sequences one token further, their input ids the sampled ids on the
-    device. While the GPU runs it, the host reads the tokens, the engine updates the scheduler and schedules; when
-    the scheduler decides that same step, :meth:`run` takes its logits instead of launching it, and the host's work
-    hides behind the GPU's. A step that differs (an arrival, a finish, an abort, a table that grows) drops it.
+    Decode steps go through :class:`worker.graph_decoder.GraphDecoder` (:attr:`graph_decoder`) where graphs are
+    given: a greedy step there launches the next one before reading its own tokens, so the host's work between
+    steps hides behind the GPU's.
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device,
@@ -315,10 +314,8 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(block_size, device)
         self.step_logprobs: dict[str, TokenLogprobs] = {}
         self._plan = _SamplingPlan([])
-        self._graph_step: _GraphStep | None = None
-        self._ahead: _GraphStep | None = None  # a decode step launched before the scheduler decided it
-        self._host_ids: torch.Tensor | None = None  # pinned: a step's sampled ids, read while the next one runs
-        self._ids_copied: torch.cuda.Event | None = None
+        self.graph_decoder = (GraphDecoder(decode_graphs, self.batch_builder.decode_tables)
+                              if decode_graphs is not None else None)
 
     def run(self, out: SchedulerOutput, should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Execute ``out`` and return ``{request_id: sampled token id}`` for the sequences that sample.
@@ -333,14 +330,15 @@ class ModelRunner:
             StepAbandoned: ``should_stop`` said so.
         """
         self.step_logprobs = {}
-        logits = graph_step = None
-        ahead, self._ahead = self._ahead, None
-        if out.all_decode and self.decode_graphs is not None:
-            with torch.inference_mode():
-                logits = self._replay_decode(out, ahead)
-            if logits is not None:
-                graph_step = self._graph_step
-        self._graph_step = None  # this step's, once it has sampled: the next step may advance from it
+        decoder = self.graph_decoder
+        logits = None
+        if decoder is not None:
+            if out.all_decode:
+                with torch.inference_mode():
+                    logits = decoder.forward(out)
+            if logits is None:
+                decoder.reset()
+        from_graph = logits is not None
         if logits is None:
             batch = self.batch_builder.build(out)
             sampling = out.scheduled if out.all_decode else [item for item in out.scheduled if item.sample]
@@ -356,20 +354,8 @@ class ModelRunner:
         plan = self._plan
         if plan.seqs != seqs:  # Sequence compares by identity
             plan = self._plan = _SamplingPlan(seqs)
-        if plan.all_greedy and graph_step is not None:
-            sampled_ids = logits.max(dim=-1).indices  # the next step's input ids, kept on the device
-            graph_step.next_input_ids = sampled_ids
-            if not plan.logprob_rows and self._may_launch_ahead(graph_step):
-                # the ids' copy to the host goes before the next step on the stream: reading them waits for
-                # this step only
-                host_ids, copied = self._copy_ids_to_host(sampled_ids)
-                with torch.inference_mode():
-                    self._ahead = self._launch_ahead(graph_step)
-                if copied is not None:
-                    copied.synchronize()
-                token_ids = host_ids.tolist()
-            else:
-                token_ids = sampled_ids.tolist()
+        if plan.all_greedy and from_graph:
+            token_ids = decoder.sample_greedy(logits, launch_ahead=not plan.logprob_rows)
         elif plan.all_greedy and logits.shape[0] == len(seqs):
             token_ids = self.sampler.greedy(logits)  # what sample() returns, without its per-row checks
         else:
@@ -380,112 +366,9 @@ class ModelRunner:
             picked = logits if len(rows) == len(sampling) else logits[rows]
             found = token_logprobs(picked, [token_ids[r] for r in rows], [seqs[r].sampling.top_logprobs for r in rows])
             self.step_logprobs = {seqs[r].request_id: lp for r, lp in zip(rows, found)}
-        self._graph_step = graph_step  # without next_input_ids (sampled on the host) the next step uploads them
+        if from_graph:
+            decoder.step_done()
         return dict(zip(plan.request_ids, token_ids))
-
-    def _replay_decode(self, out: SchedulerOutput, ahead: _GraphStep | None) -> torch.Tensor | None:
-        """Run a decode step (``out.all_decode``) through :attr:`decode_graphs`; return its logits ``[num_seqs,
-        vocab]``, or None when no graph holds that many sequences (the caller runs the step eagerly).
-
-        ``ahead`` is the step the last one launched ahead (:meth:`_launch_ahead`); when it is this step (the same
-        sequences, positions and block tables) its logits are this step's, already on their way. Otherwise, when the
-        step decodes the same sequences in the same order as the last graph step, each one token further (the
-        steady state between arrivals and finishes), the static buffers advance on the device
-        (:meth:`DecodeGraphs.advance`) and no batch is built on the host; else the step's rows are written from host
-        arrays (:meth:`DecodeGraphs.load_rows`). Sets :attr:`_graph_step` to this step.
-        """
-        graphs = self.decode_graphs
-        scheduled = out.scheduled
-        num_seqs = len(scheduled)
-        if bucket_for(graphs.sizes, num_seqs) is None:
-            return None
-        seqs = [item.seq for item in scheduled]
-        tables = [item.block_ids for item in scheduled]
-        positions = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
-        last = self._graph_step
-        if ahead is not None:
-            if (ahead.seqs == seqs and np.array_equal(positions, ahead.positions)
-                    and all(map(operator.is_, tables, ahead.tables))):
-                self._graph_step = ahead
-                return ahead.logits
-            last = None  # the static rows hold the step launched ahead: rewrite them from the host
-        if last is not None and last.seqs == seqs and np.array_equal(positions, last.positions + 1):
-            rows = [r for r, (new, old) in enumerate(zip(tables, last.tables)) if new is not old]
-            input_ids = last.next_input_ids
-            if input_ids is None:
-                input_ids = torch.from_numpy(np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64,
-                                                         count=num_seqs))
-            bucket = graphs.advance(num_seqs, input_ids, rows, [tables[r] for r in rows])
-        else:
-            input_ids = np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64, count=num_seqs)
-            bucket = graphs.load_rows(input_ids, positions, self.batch_builder.decode_tables(tables))
-        self._graph_step = _GraphStep(seqs, tables, positions)
-        seq_lens = None if graphs.captured else (positions + 1).tolist()
-        return graphs.replay(bucket, num_seqs, seq_lens)
-
-    def _copy_ids_to_host(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying ``ids`` (``[n]`` int64) to the host: on CUDA into a reused pinned buffer, asynchronously,
-        with an event recorded after the copy (synchronize it, then read the buffer); elsewhere ``ids`` itself."""
-        if ids.device.type != "cuda":
-            return ids, None
-        num_ids = ids.shape[0]
-        if self._host_ids is None or self._host_ids.shape[0] < num_ids:
-            self._host_ids = torch.empty(max(num_ids, self.decode_graphs.sizes[-1]), dtype=torch.int64,
-                                         pin_memory=True)
-            self._ids_copied = torch.cuda.Event()
-        host_ids = self._host_ids[:num_ids]
-        host_ids.copy_(ids, non_blocking=True)
-        self._ids_copied.record()
-        return host_ids, self._ids_copied
-
-    def _may_launch_ahead(self, step: _GraphStep) -> bool:
-        """Whether the step after ``step`` may be launched before ``step``'s tokens reach the host: each sequence's
-        next token has its KV slot in a block it holds already, and none ends by its length with ``step``'s token.
-        (One that ends by a stop token or an abort makes the next step differ, and the step launched ahead is then
-        dropped: it wrote K/V only past the valid tokens of its sequences' own last blocks.)"""
-        seqs = step.seqs
-        graphs_len = self.decode_graphs.max_model_len  # past it a sequence ends (the scheduler's context length)
-        slots = np.fromiter(map(len, step.tables), dtype=np.int64, count=len(seqs)) * self.block_size
-        if not bool(np.all(step.positions + 1 < slots)) or not bool(np.all(step.positions + 2 < graphs_len)):
-            return False
-        return all(len(seq.output_token_ids) + 1 < seq.max_tokens for seq in seqs)
-
-    def _launch_ahead(self, step: _GraphStep) -> _GraphStep:
-        """Launch the decode step after ``step`` (graph) before ``step``'s tokens are read: the same sequences, one
-        token further, with ``step``'s sampled ids (on the device) as input. Its K/V writes and logits follow
-        ``step``'s on the stream, so the host's scheduling of the next step overlaps the GPU's work; the next
-        :meth:`run` takes its logits when the scheduler decides that same step (:meth:`_replay_decode`)."""
-        graphs = self.decode_graphs
-        num_seqs = len(step.seqs)
-        positions = step.positions + 1
-        bucket = graphs.advance(num_seqs, step.next_input_ids, [], [])
-        seq_lens = None if graphs.captured else (positions + 1).tolist()
-        ahead = _GraphStep(step.seqs, step.tables, positions)
-        ahead.logits = graphs.replay(bucket, num_seqs, seq_lens)
-        return ahead
-
-
-class _GraphStep:
-    """The last decode step that ran through a graph, for the next one to advance from (:meth:`ModelRunner.run`).
-
-    Attributes:
-        seqs: its sequences, in row order.
-        tables: each sequence's block table as scheduled (``ScheduledSeq.block_ids``: the same list object while
-            the table does not grow).
-        positions: ``[num_seqs]`` int64, each sequence's position in that step.
-        next_input_ids: ``[num_seqs]`` int64 on the model's device, the ids it sampled (greedy), or None when they
-            were sampled on the host.
-        logits: of a step launched ahead, its logits ``[num_seqs, vocab]`` (a view of the graph's output).
-    """
-
-    __slots__ = ("seqs", "tables", "positions", "next_input_ids", "logits")
-
-    def __init__(self, seqs: list[Sequence], tables: list[list[int]], positions: np.ndarray) -> None:
-        self.seqs = seqs
-        self.tables = tables
-        self.positions = positions
-        self.next_input_ids: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
 
 
 class _SamplingPlan:

@@ -16,6 +16,7 @@ from shared.protocol import Generate, SamplingParams
 from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
 from worker.engine import Engine
+from worker.graph_decoder import GraphDecoder
 from worker.kv_cache.manager import KVCacheManager
 from worker.model_runner import ModelRunner
 from worker.scheduler import Scheduler
@@ -120,24 +121,24 @@ def test_graph_replays_equal_eager_decode_steps_on_cuda():
     assert (pool - eager_pool).abs().max() <= 0.05 * eager_pool.abs().max()
 
 
-class _RowsFromTheHostRunner(ModelRunner):
-    """A runner that never advances the static rows on the device nor launches a step ahead: every graph step loads
-    its rows from the host after the scheduler decided it."""
+class _RowsFromTheHost(GraphDecoder):
+    """A decoder that never advances the static rows on the device nor launches a step ahead: every graph step
+    loads its rows from the host after the scheduler decided it."""
 
-    def run(self, out, should_stop=None):
-        self._graph_step = None
-        return super().run(out, should_stop)
+    def forward(self, out):
+        self._last = None
+        return super().forward(out)
 
     def _may_launch_ahead(self, step) -> bool:
         return False
 
 
-def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
+def _serve(decoder_cls, workload, device: str = "cpu", num_blocks: int = 40
            ) -> tuple[dict, dict, list[int], list[list[float]], int]:
-    """Run ``workload`` (arrivals and aborts per step) through an engine whose runner has decode graphs (captured
-    on CUDA; on the CPU the static batch runs eagerly); return each request's tokens, finish reasons, per step
-    advanced on the device the number of table rows it rewrote, per graph step a fingerprint of each row's logits,
-    and how many steps took the logits of a step launched ahead."""
+    """Run ``workload`` (arrivals and aborts per step) through an engine whose runner decodes through graphs
+    (captured on CUDA; on the CPU the static batch runs eagerly) with a ``decoder_cls``; return each request's
+    tokens, finish reasons, per step advanced on the device the number of table rows it rewrote, per graph step a
+    fingerprint of each row's logits, and how many steps took the logits of a step launched ahead."""
     # an untied head: with tied embeddings a random model's greedy token repeats its input token
     spec = synthetic_spec("llama-3-tiny", max_position_embeddings=256, tie_word_embeddings=False)
     mode, attention = ("float32", "torch") if device == "cpu" else ("bfloat16", "cupy")
@@ -146,7 +147,8 @@ def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
     graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max_num_seqs=8, max_model_len=256, pad_block_id=num_blocks)
     if device == "cuda":
         graphs.capture()
-    runner = runner_cls(model, kv_cache, BLOCK_SIZE, torch.device(device), graphs)
+    runner = ModelRunner(model, kv_cache, BLOCK_SIZE, torch.device(device), graphs)
+    decoder = runner.graph_decoder = decoder_cls(graphs, runner.batch_builder.decode_tables)
     advanced: list[int] = []
     advance = graphs.advance
 
@@ -155,21 +157,22 @@ def _serve(runner_cls, workload, device: str = "cpu", num_blocks: int = 40
         return advance(num_seqs, input_ids, rows, row_tables)
 
     graphs.advance = counted
-    replay_decode = runner._replay_decode
+    forward = decoder.forward
     probe = torch.randn(model.spec.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     probe = probe.to(device)
     fingerprints: list[list[float]] = []
     ahead_taken = 0
 
-    def fingerprinted(out, ahead):  # one number per row of a graph step's logits, to compare the steps exactly
+    def fingerprinted(out):  # one number per row of a graph step's logits, to compare the steps exactly
         nonlocal ahead_taken
-        logits = replay_decode(out, ahead)
+        ahead = decoder._ahead
+        logits = forward(out)
         if logits is not None:
             fingerprints.append((logits.double() @ probe).tolist())
             ahead_taken += ahead is not None and logits is ahead.logits
         return logits
 
-    runner._replay_decode = fingerprinted
+    decoder.forward = fingerprinted
     engine = Engine(Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE), 8, 64, 256), runner, [])
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -217,9 +220,9 @@ def test_decode_steps_advanced_on_the_device_equal_steps_loaded_from_the_host(de
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
     workload = _workload(random.Random(3))
-    advanced_tokens, advanced_reasons, num_advanced, advanced_logits, num_ahead = _serve(ModelRunner, workload,
+    advanced_tokens, advanced_reasons, num_advanced, advanced_logits, num_ahead = _serve(GraphDecoder, workload,
                                                                                          device)
-    loaded_tokens, loaded_reasons, num_loaded_advanced, loaded_logits, no_ahead = _serve(_RowsFromTheHostRunner,
+    loaded_tokens, loaded_reasons, num_loaded_advanced, loaded_logits, no_ahead = _serve(_RowsFromTheHost,
                                                                                          workload, device)
     # the steady steps took the device paths: launched ahead, else advanced (some growing a table)
     assert advanced_logits == loaded_logits  # bit for bit: the same rows, however they were written

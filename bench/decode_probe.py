@@ -177,7 +177,7 @@ def engine() -> None:
     copy = measure_copy_gb_s()
     emit("engine", {"copy_gb_s": copy})
     model = build_synthetic_model(synthetic_spec("llama-3-8b"), "bfloat16", "cuda", attention_backend="cupy")
-    blocks_per_seq = -(-(512 + 48 + 16 + 16) // BLOCK_SIZE)
+    blocks_per_seq = -(-(512 + 48 + 64) // BLOCK_SIZE)
     num_blocks = 256 * blocks_per_seq + 8
     kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
     for backend in ("cublas", "cublaslt", "cublas"):
@@ -219,7 +219,7 @@ def ab() -> None:
         return Runner
 
     model = build_synthetic_model(synthetic_spec("llama-3-8b"), "bfloat16", "cuda", attention_backend="cupy")
-    blocks_per_seq = -(-(512 + 48 + 16 + 16) // BLOCK_SIZE)
+    blocks_per_seq = -(-(512 + 48 + 64) // BLOCK_SIZE)
     num_blocks = 256 * blocks_per_seq + 8
     kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
     real_runner = model_runner.ModelRunner

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.engine_bench import BLOCK_SIZE, decoding_engine, graph_replay_ms  # noqa: E402
+from bench.engine_bench import BLOCK_SIZE, WARMUP_DECODE_STEPS, decoding_engine, graph_replay_ms  # noqa: E402
 from bench.kernel_bench import _time_graph_ms  # noqa: E402
 from worker.cuda_graphs import DecodeGraphs  # noqa: E402
 from worker.quant import padded_linear  # noqa: E402
@@ -83,7 +83,8 @@ class PhaseTimer:
 
 
 def step_phases(model, kv_cache, graphs, num_seqs: int, steps: int, num_blocks: int) -> dict[str, Any]:
-    engine, runner, _ = decoding_engine(model, kv_cache, graphs, num_seqs, 512, steps + 16, num_blocks)
+    engine, runner, _ = decoding_engine(model, kv_cache, graphs, num_seqs, 512, WARMUP_DECODE_STEPS + steps + 8,
+                                        num_blocks)
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a diagnosis reports what failed and goes on
         report["linears"] = {"error": f"{type(exc).__name__}: {exc}"}
     model = build_synthetic_model(spec, "bfloat16", "cuda", attention_backend="cupy")
-    blocks_per_seq = -(-(512 + args.steps + 96) // BLOCK_SIZE)
+    blocks_per_seq = -(-(512 + WARMUP_DECODE_STEPS + args.steps + 96) // BLOCK_SIZE)
     num_blocks = 64 * blocks_per_seq + 8
     kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)
     graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, 64, blocks_per_seq * BLOCK_SIZE, pad_block_id=num_blocks)

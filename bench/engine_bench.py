@@ -40,6 +40,7 @@ from shared.protocol import Generate, SamplingParams  # noqa: E402
 from shared.synthetic_models import num_parameters  # noqa: E402
 from worker.cuda_graphs import DecodeGraphs, bucket_for  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker.graph_decoder import MIN_STEADY_STEPS  # noqa: E402
 from worker.kv_cache.manager import KVCacheManager  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 from worker.scheduler import Scheduler  # noqa: E402
@@ -50,6 +51,9 @@ BLOCK_SIZE = 16
 MAX_BATCHED_TOKENS = 8192
 TARGET_FRACTION_AT_64 = 0.7
 COPY_BYTES = 2 << 30
+# decode steps before the clock starts: the first steps of a size are slow, and the runner launches steps ahead only
+# after MIN_STEADY_STEPS steady ones
+WARMUP_DECODE_STEPS = MIN_STEADY_STEPS + 4
 
 
 def measure_copy_gb_s() -> float:
@@ -73,8 +77,8 @@ def measure_copy_gb_s() -> float:
 def decoding_engine(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prompt_tokens: int,
                     max_tokens: int, num_blocks: int) -> tuple[Engine, ModelRunner, float]:
     """An engine over the model's pool with ``num_seqs`` greedy sequences of ``prompt_tokens`` random token ids
-    (seeded by ``num_seqs``, ``ignore_eos``, ``max_tokens`` each), prefilled and three decode steps in (warm: the
-    first steps of this size).
+    (seeded by ``num_seqs``, ``ignore_eos``, ``max_tokens`` each), prefilled and :data:`WARMUP_DECODE_STEPS` decode
+    steps in.
 
     Returns:
         The engine, its model runner and the seconds the prefill took.
@@ -91,7 +95,7 @@ def decoding_engine(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int,
     while len(engine.scheduler.running) < num_seqs or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     prefill_s = time.perf_counter() - prefill_start
-    for _ in range(3):
+    for _ in range(WARMUP_DECODE_STEPS):
         engine.step()
     torch.cuda.synchronize()
     return engine, runner, prefill_s
@@ -100,13 +104,14 @@ def decoding_engine(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int,
 def decode_run(model, kv_cache, graphs: DecodeGraphs | None, num_seqs: int, prompt_tokens: int, steps: int,
                num_blocks: int) -> dict[str, Any]:
     """Prefill ``num_seqs`` prompts, then time ``steps`` decode steps; return the measured rates."""
-    engine, _, prefill_s = decoding_engine(model, kv_cache, graphs, num_seqs, prompt_tokens, steps + 8, num_blocks)
+    engine, _, prefill_s = decoding_engine(model, kv_cache, graphs, num_seqs, prompt_tokens,
+                                           WARMUP_DECODE_STEPS + steps + 8, num_blocks)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()  # the step the last one launched ahead counts: the warm-up's was done before start
     wall_s = time.perf_counter() - start
-    mean_context = prompt_tokens + 3 + steps / 2
+    mean_context = prompt_tokens + WARMUP_DECODE_STEPS + steps / 2
     result = {"num_seqs": num_seqs, "steps": steps, "wall_s": wall_s, "prefill_s": prefill_s,
               "step_ms": wall_s / steps * 1e3, "decode_tokens_per_s": num_seqs * steps / wall_s,
               "mean_context_tokens": mean_context}
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_synthetic_model(spec, "bfloat16", "cuda", attention_backend="cupy")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - build_start
-    blocks_per_seq = -(-(args.prompt_tokens + args.steps + 16) // BLOCK_SIZE)
+    blocks_per_seq = -(-(args.prompt_tokens + WARMUP_DECODE_STEPS + args.steps + 16) // BLOCK_SIZE)
     num_blocks = max(sizes) * blocks_per_seq + 8
     kv_cache = model.allocate_kv_cache(num_blocks + 1, BLOCK_SIZE)  # + the pad block of the graphs
     max_model_len = blocks_per_seq * BLOCK_SIZE

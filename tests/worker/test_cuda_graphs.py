@@ -16,7 +16,7 @@ from shared.protocol import Generate, SamplingParams
 from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
 from worker.engine import Engine
-from worker.graph_decoder import GraphDecoder
+from worker.graph_decoder import MIN_STEADY_STEPS, GraphDecoder
 from worker.kv_cache.manager import KVCacheManager
 from worker.model_runner import ModelRunner
 from worker.scheduler import Scheduler
@@ -133,12 +133,13 @@ class _RowsFromTheHost(GraphDecoder):
         return False
 
 
-def _serve(decoder_cls, workload, device: str = "cpu", num_blocks: int = 40
+def _serve(decoder_cls, workload, device: str = "cpu", num_blocks: int = 40, min_steady_steps: int = 0
            ) -> tuple[dict, dict, list[int], list[list[float]], int]:
     """Run ``workload`` (arrivals and aborts per step) through an engine whose runner decodes through graphs
-    (captured on CUDA; on the CPU the static batch runs eagerly) with a ``decoder_cls``; return each request's
-    tokens, finish reasons, per step advanced on the device the number of table rows it rewrote, per graph step a
-    fingerprint of each row's logits, and how many steps took the logits of a step launched ahead."""
+    (captured on CUDA; on the CPU the static batch runs eagerly) with a ``decoder_cls`` (launching steps ahead
+    after ``min_steady_steps`` steady ones); return each request's tokens, finish reasons, per step advanced on the
+    device the number of table rows it rewrote, per graph step a fingerprint of each row's logits, and how many
+    steps took the logits of a step launched ahead."""
     # an untied head: with tied embeddings a random model's greedy token repeats its input token
     spec = synthetic_spec("llama-3-tiny", max_position_embeddings=256, tie_word_embeddings=False)
     mode, attention = ("float32", "torch") if device == "cpu" else ("bfloat16", "cupy")
@@ -148,7 +149,7 @@ def _serve(decoder_cls, workload, device: str = "cpu", num_blocks: int = 40
     if device == "cuda":
         graphs.capture()
     runner = ModelRunner(model, kv_cache, BLOCK_SIZE, torch.device(device), graphs)
-    decoder = runner.graph_decoder = decoder_cls(graphs, runner.batch_builder.decode_tables)
+    decoder = runner.graph_decoder = decoder_cls(graphs, runner.batch_builder.decode_tables, min_steady_steps)
     advanced: list[int] = []
     advance = graphs.advance
 
@@ -232,3 +233,19 @@ def test_decode_steps_advanced_on_the_device_equal_steps_loaded_from_the_host(de
     assert advanced_tokens == loaded_tokens
     assert advanced_reasons == loaded_reasons
     assert {"stop", "length"} <= set(advanced_reasons.values())
+
+
+def test_steps_are_launched_ahead_only_after_a_run_of_steady_steps():
+    """A step launched ahead and dropped costs a whole step: under churn (an arrival every few steps) none is
+    launched; in a steady batch they are, after MIN_STEADY_STEPS steps that continued the one before."""
+    churn = [([Generate(f"c{step}", [5 + step, 6, 7], SamplingParams(temperature=0.0), 12)] if step % 3 == 0 else [],
+              []) for step in range(60)]
+    *_, taken = _serve(GraphDecoder, churn, min_steady_steps=MIN_STEADY_STEPS)
+    assert taken == 0
+    steady = [([Generate(f"s{i}", [9, 8, 7 + i], SamplingParams(temperature=0.0), 60, ignore_eos=True)
+                for i in range(4)], [])]
+    tokens, reasons, _, logits, taken = _serve(GraphDecoder, steady, min_steady_steps=MIN_STEADY_STEPS)
+    decode_steps = len(logits)  # graph steps: every step after the prompts' prefill
+    assert set(reasons.values()) == {"length"} and all(len(t) == 60 for t in tokens.values())
+    # launched ahead from the first step after MIN_STEADY_STEPS steady ones, but not across the 3 block boundaries
+    assert decode_steps - MIN_STEADY_STEPS - 8 <= taken <= decode_steps - MIN_STEADY_STEPS

@@ -298,8 +298,8 @@ class ModelRunner:
             graphs per batch-size bucket); other steps run the model eagerly.
 
     Decode steps go through :class:`worker.graph_decoder.GraphDecoder` (:attr:`graph_decoder`) where graphs are
-    given: a greedy step there launches the next one before reading its own tokens, so the host's work between
-    steps hides behind the GPU's.
+    given: in a steady batch a greedy step there launches the next one before reading its own tokens, so the host's
+    work between steps hides behind the GPU's.
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device,

@@ -193,48 +193,6 @@ class DecodeGraphs:
         return self.model.forward(self.static_batch(bucket, list(lens) + [1] * (bucket - num_seqs)),
                                   self.kv_cache)[:num_seqs]
 
-    def load(self, batch: ForwardBatch) -> int | None:
-        """Copy a decode batch into the static rows ``[0, n)`` and reset the padding rows ``[n, bucket)``.
-
-        Returns:
-            The bucket, or None when the batch is not decode-only or larger than the largest bucket (run it
-            eagerly).
-        """
-        num_seqs = batch.num_seqs
-        bucket = bucket_for(self.sizes, num_seqs) if batch.is_decode_only else None
-        if bucket is None:
-            return None
-        width = batch.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:num_seqs].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(batch.slot_mapping, non_blocking=True)
-        self.context_lens[:num_seqs].copy_(batch.context_lens, non_blocking=True)
-        self.block_tables[:num_seqs, :width].copy_(batch.block_tables, non_blocking=True)
-        if bucket > num_seqs:  # earlier, larger steps left their rows here
-            self.input_ids[num_seqs:bucket].zero_()
-            self.positions[num_seqs:bucket].zero_()
-            self.slot_mapping[num_seqs:bucket].fill_(self.pad_block_id * self.block_size)
-            self.context_lens[num_seqs:bucket].fill_(1)
-            self.block_tables[num_seqs:bucket, 0].fill_(self.pad_block_id)
-        return bucket
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Run a decode step through its bucket; return the logits of ``batch.logits_indices``
-        (``[num_logits, vocab]`` float32, valid until the next call), or None when the batch takes the eager path.
-        """
-        bucket = self.load(batch)
-        if bucket is None:
-            return None
-        if bucket in self._graphs:
-            self._graphs[bucket].replay()
-            logits = self._outputs[bucket]
-        else:
-            seq_lens = batch.seq_lens + [1] * (bucket - batch.num_seqs)
-            logits = self.model.forward(self.static_batch(bucket, seq_lens), self.kv_cache)
-        if batch.logits_indices.shape[0] == batch.num_seqs:
-            return logits[: batch.num_seqs]
-        return logits.index_select(0, batch.logits_indices)
-
     def capture(self) -> CaptureReport:
         """Capture one graph per bucket, largest first, sharing one memory pool (CUDA only).
 

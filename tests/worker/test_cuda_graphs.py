@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,46 +56,54 @@ TABLES = [[3], [0, 7], [1, 2, 4]]
 TOKENS = [11, 12, 13]
 
 
+def _load_rows(graphs: DecodeGraphs, prompts, tables, tokens) -> int | None:
+    """Load a decode step (token ``tokens[i]`` after ``prompts[i]``) into the graphs' rows from host arrays."""
+    width = max(map(len, tables))
+    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    return graphs.load_rows(np.array(tokens, dtype=np.int64), np.array([len(p) for p in prompts], dtype=np.int64),
+                            padded)
+
+
 def test_a_padded_decode_step_equals_the_unpadded_one_and_writes_only_the_pad_block():
     model, kv_cache = _model_and_pool("cpu", "float32", "torch")
     _prefill(model, kv_cache, PROMPTS, TABLES)
     eager_pool = kv_cache.clone()
     eager = model.forward(_decode_batch(PROMPTS, TABLES, TOKENS, "cpu"), eager_pool)
     graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max_num_seqs=8, max_model_len=256, pad_block_id=NUM_BLOCKS)
-    padded = graphs.run(_decode_batch(PROMPTS, TABLES, TOKENS, "cpu"))
-    assert not graphs.captured
+    bucket = _load_rows(graphs, PROMPTS, TABLES, TOKENS)
+    padded = graphs.replay(bucket, len(TOKENS))
+    assert bucket == 4 and not graphs.captured
     assert padded.shape == eager.shape == (3, model.spec.vocab_size)
     torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
     # the same K/V in every sequence block (up to the rounding of a 4-row vs a 3-row matmul); the pad row wrote
     # only into the pad block, which the unpadded step left as it was
     torch.testing.assert_close(kv_cache[:, :, :NUM_BLOCKS], eager_pool[:, :, :NUM_BLOCKS], rtol=1e-4, atol=1e-5)
     assert kv_cache[:, :, NUM_BLOCKS].abs().sum() > 0 and eager_pool[:, :, NUM_BLOCKS].abs().sum() == 0
-    assert graphs.context_lens[:4].tolist() == [4, 20, 34, 1]  # bucket 4: one padding row over the pad block
-    assert graphs.slot_mapping[3].item() == NUM_BLOCKS * BLOCK_SIZE
+    # derived from positions and block tables: bucket 4, one padding row over the pad block
+    assert graphs.context_lens[:4].tolist() == [4, 20, 34, 1]
+    assert graphs.slot_mapping[:4].tolist() == [3 * BLOCK_SIZE + 3, 7 * BLOCK_SIZE + 3, 4 * BLOCK_SIZE + 1,
+                                                NUM_BLOCKS * BLOCK_SIZE]
 
 
 def test_a_smaller_step_after_a_larger_one_resets_the_padding_rows():
     model, kv_cache = _model_and_pool("cpu", "float32", "torch")
     graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max_num_seqs=8, max_model_len=256, pad_block_id=NUM_BLOCKS)
-    big = ForwardBatch.build([[1]] * 5, [40] * 5, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [0, 1, 2]],
-                             BLOCK_SIZE)
-    assert graphs.load(big) == 8
-    small = ForwardBatch.build([[2]], [3], [[6]], BLOCK_SIZE)
-    assert graphs.load(small) == 1
-    assert graphs.load(ForwardBatch.build([[2], [3]], [3, 4], [[6], [7]], BLOCK_SIZE)) == 2
-    assert graphs.load(ForwardBatch.build([[2]] * 3, [3] * 3, [[6]] * 3, BLOCK_SIZE)) == 4
-    assert graphs.context_lens[:8].tolist() == [4, 4, 4, 1, 41, 1, 1, 1]  # row 4: past bucket 4, not read
-    assert graphs.block_tables[3, 0].item() == NUM_BLOCKS and graphs.positions[3].item() == 0
+    big = _load_rows(graphs, [[0] * 40] * 5, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [0, 1, 2]], [1] * 5)
+    assert big == 8
+    assert _load_rows(graphs, [[0] * 3], [[6]], [2]) == 1
+    assert _load_rows(graphs, [[0] * 3, [0] * 4], [[6], [7]], [2, 3]) == 2
+    assert _load_rows(graphs, [[0] * 3] * 3, [[6]] * 3, [2] * 3) == 4
+    assert graphs.positions[:8].tolist() == [3, 3, 3, 0, 40, 0, 0, 0]  # row 4: past bucket 4, not read
+    assert graphs.input_ids[:4].tolist() == [2, 2, 2, 0]
+    assert graphs.block_tables[3, 0].item() == NUM_BLOCKS
 
 
-def test_prefill_mixed_and_oversized_steps_take_the_eager_path():
+def test_a_step_larger_than_the_largest_bucket_takes_the_eager_path():
     model, kv_cache = _model_and_pool("cpu", "float32", "torch")
     graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max_num_seqs=2, max_model_len=256, pad_block_id=NUM_BLOCKS)
     assert graphs.sizes == [1, 2, 4, 8, 16]
-    assert graphs.run(ForwardBatch.build([[1, 2, 3]], [0], [[0]], BLOCK_SIZE)) is None
-    assert graphs.run(ForwardBatch.build([[1, 2], [3]], [0, 5], [[0], [1]], BLOCK_SIZE)) is None
-    assert graphs.run(ForwardBatch.build([[1]] * 17, [1] * 17, [[b % NUM_BLOCKS] for b in range(17)],
-                                         BLOCK_SIZE)) is None
+    assert _load_rows(graphs, [[0]] * 17, [[b % NUM_BLOCKS] for b in range(17)], [1] * 17) is None
+    assert _load_rows(graphs, [[0]] * 16, [[b % NUM_BLOCKS] for b in range(16)], [1] * 16) == 16
 
 
 @pytest.mark.gpu
@@ -112,7 +121,7 @@ def test_graph_replays_equal_eager_decode_steps_on_cuda():
         tokens = [t + step for t in TOKENS]
         prompts = [p + [0] * step for p in PROMPTS]
         eager = model.forward(_decode_batch(prompts, TABLES, tokens, "cuda"), eager_pool)
-        replayed = graphs.run(_decode_batch(prompts, TABLES, tokens, "cuda"))
+        replayed = graphs.replay(_load_rows(graphs, prompts, TABLES, tokens), len(tokens))
         assert replayed.shape == eager.shape
         # bf16: a 4-row bucket and 3 eager rows may take different matmul kernels; a wrong row or a stale input
         # would differ by the logits' whole scale

@@ -52,9 +52,10 @@ def sluice_server(config_text: str, env: dict[str, str] | None = None, start_tim
 
 
 def write_result(name: str, result: dict) -> Path:
-    """Write ``result`` as JSON to bench/results/<name>.json and print it."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    """Write ``result`` as JSON to bench/results/<name>.json, or to ``name`` itself when it ends in ``.json`` (a
+    path, e.g. ``--out /tmp/run1.json``), and print it."""
+    path = Path(name) if name.endswith(".json") else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return path

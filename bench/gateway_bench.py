@@ -321,7 +321,7 @@ def main() -> None:
     parser.add_argument("--unique-prompts", action="store_true",
                         help="make every user prompt unique (no conversation-cache hits; the system prompt repeats)")
     parser.add_argument("--quick", action="store_true", help="short smoke run (300 closed, 3 s per rate)")
-    parser.add_argument("--out", default="gateway", help="result name under bench/results/")
+    parser.add_argument("--out", default="gateway", help="result name under bench/results/, or a path ending in .json")
     parser.add_argument("--profile", default="", help="py-spy flame graph (SVG; collapsed stacks for .txt) of the "
                         "gateway during one phase")
     parser.add_argument("--profile-phase", default="closed_loop", help="the phase --profile samples")

@@ -73,7 +73,7 @@ def attention() -> None:
     import cupy
 
     from worker.attention import cupy_paged as cp
-    from worker.attention.partitioned_ref import KernelGeometry, PartitionPlan, plan_partitions
+    from worker.attention.partitioned_ref import PartitionPlan, plan_partitions
 
     source = cp._kernel_source()
     modules = {}
@@ -140,7 +140,6 @@ def attention() -> None:
             except Exception as exc:  # noqa: BLE001
                 emit("attention", {"batch": batch, "context": context, "min_ctas_per_sm": ctas,
                                    "error": f"{type(exc).__name__}: {exc}"[:300]})
-    _ = KernelGeometry
 
 
 def argmax() -> None:

@@ -178,20 +178,19 @@ class DecodeGraphs:
                                                                            non_blocking=True)
         return bucket_for(self.sizes, num_seqs)
 
-    def replay(self, bucket: int, num_seqs: int, seq_lens: list[int] | None = None) -> torch.Tensor:
+    def replay(self, bucket: int, num_seqs: int) -> torch.Tensor:
         """Run the step loaded in the static rows through the graph of ``bucket``; return the logits of rows
         ``[0, num_seqs)`` (``[num_seqs, vocab]`` float32, valid until the next call).
 
-        ``seq_lens`` (host ints, one per sequence) is read only without captured graphs, where the padded static
-        batch runs eagerly (the torch attention backend reads host lengths).
+        Without captured graphs the padded static batch runs eagerly, with its derived context lengths as the host
+        lengths the torch attention backend reads.
         """
         if bucket in self._graphs:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:num_seqs]
         self._derive_inputs(bucket)
-        lens = (seq_lens if seq_lens is not None else (self.positions[:num_seqs] + 1).tolist())
-        return self.model.forward(self.static_batch(bucket, list(lens) + [1] * (bucket - num_seqs)),
-                                  self.kv_cache)[:num_seqs]
+        seq_lens = self.context_lens[:bucket].tolist()
+        return self.model.forward(self.static_batch(bucket, seq_lens), self.kv_cache)[:num_seqs]
 
     def capture(self) -> CaptureReport:
         """Capture one graph per bucket, largest first, sharing one memory pool (CUDA only).

@@ -40,6 +40,11 @@ from worker.sequence import Sequence
 MIN_STEADY_STEPS = 16  # steps in a row that continued the one before, before a step is launched ahead (docstring)
 
 
+def _last_tokens(seqs: list[Sequence]) -> np.ndarray:
+    """``[num_seqs]`` int64: each sequence's last token, the one its next decode step takes as input."""
+    return np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64, count=len(seqs))
+
+
 class GraphStep:
     """One decode step that ran (or was launched) through a graph.
 
@@ -119,18 +124,15 @@ class GraphDecoder:
         if last is not None and last.seqs == seqs and np.array_equal(positions, last.positions + 1):
             self.steady_steps += 1
             rows = [r for r, (new, old) in enumerate(zip(tables, last.tables)) if new is not old]
-            input_ids = last.next_input_ids
+            input_ids = last.next_input_ids  # sampled on the host: None, uploaded below
             if input_ids is None:
-                input_ids = torch.from_numpy(np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64,
-                                                         count=num_seqs))
+                input_ids = torch.from_numpy(_last_tokens(seqs))
             bucket = graphs.advance(num_seqs, input_ids, rows, [tables[r] for r in rows])
         else:
             self.steady_steps = 0
-            input_ids = np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64, count=num_seqs)
-            bucket = graphs.load_rows(input_ids, positions, self._decode_tables(tables))
+            bucket = graphs.load_rows(_last_tokens(seqs), positions, self._decode_tables(tables))
         self._current = GraphStep(seqs, tables, positions)
-        seq_lens = None if graphs.captured else (positions + 1).tolist()
-        return graphs.replay(bucket, num_seqs, seq_lens)
+        return graphs.replay(bucket, num_seqs)
 
     def sample_greedy(self, logits: torch.Tensor, launch_ahead: bool) -> list[int]:
         """Return the greedy token of each row of the current step's ``logits`` (the first maximal column, as
@@ -188,9 +190,7 @@ class GraphDecoder:
         the stream."""
         graphs = self.graphs
         num_seqs = len(step.seqs)
-        positions = step.positions + 1
         bucket = graphs.advance(num_seqs, step.next_input_ids, [], [])
-        seq_lens = None if graphs.captured else (positions + 1).tolist()
-        ahead = GraphStep(step.seqs, step.tables, positions)
-        ahead.logits = graphs.replay(bucket, num_seqs, seq_lens)
+        ahead = GraphStep(step.seqs, step.tables, step.positions + 1)
+        ahead.logits = graphs.replay(bucket, num_seqs)
         return ahead

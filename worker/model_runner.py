@@ -129,7 +129,7 @@ class BatchBuilder:
         seqs = [item.seq for item in scheduled]
         input_ids = np.fromiter([seq.output_token_ids[-1] for seq in seqs], dtype=np.int64, count=num_seqs)
         starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
-        tables = self._update_tables([item.block_ids for item in scheduled])
+        tables = self.decode_tables([item.block_ids for item in scheduled])
         block_size = self.block_size
         rows = np.arange(num_seqs, dtype=np.int64)
         block_idx, offsets = np.divmod(starts, block_size)
@@ -153,12 +153,8 @@ class BatchBuilder:
 
     def decode_tables(self, tables_list: list[list[int]]) -> np.ndarray:
         """The block tables ``[num_seqs, max_blocks]`` int64 of a decode step, 0-padded (a view of the reused
-        buffer, valid until the next call)."""
-        return self._update_tables(tables_list)
-
-    def _update_tables(self, tables_list: list[list[int]]) -> np.ndarray:
-        """:meth:`_fill_tables` for a decode step: rewrite only the rows whose table differs from the one the last
-        decode step wrote there (between two decode steps most sequences keep their table)."""
+        buffer, valid until the next call): :meth:`_fill_tables`, rewriting only the rows whose table differs from
+        the one the last decode step wrote there (between two decode steps most sequences keep their table)."""
         rows = self._table_rows
         num_seqs = len(tables_list)
         if len(rows) < num_seqs or self._tables.shape[0] < num_seqs:
@@ -181,7 +177,7 @@ class BatchBuilder:
     def _fill_tables(self, tables_list: list[list[int]], remember: bool = False) -> np.ndarray:
         """Return the block tables ``[num_seqs, max_blocks]`` int64 (a view of the reused buffer), 0-padded.
 
-        With ``remember``, the whole buffer beyond the tables is zeroed and :meth:`_update_tables` may reuse the
+        With ``remember``, the whole buffer beyond the tables is zeroed and :meth:`decode_tables` may reuse the
         rows in the next decode step; without, it may not.
         """
         num_seqs = len(tables_list)

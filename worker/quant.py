@@ -165,11 +165,7 @@ class InputMajorLinear(Linear):
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"weight": self.weight}
-        if self.bias is not None:
-            out["bias"] = self.bias
-        return out
+    tensors = DenseLinear.tensors  # the same ``weight`` ([out, in], a view here) and ``bias``
 
 
 class _QuantizedLinear(Linear):

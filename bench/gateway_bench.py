@@ -11,12 +11,15 @@ The load client runs in ``--client-processes`` processes of its own (raw ``aioht
 gateway's and one client process is not the bottleneck.
 Phases, in one run, each bounded by a request count and a wall-clock limit:
 
-1. **closed loop**: ``--concurrency`` (32) clients back to back for ``--closed-requests`` (1000) requests. Its
+1. **closed loop**: ``--concurrency`` (32) clients back to back for ``--closed-requests`` (2000) requests. Its
    throughput is the **saturation rate** of the one gateway process when the gateway's CPU use is near one core
    (reported as ``gateway_cpu_utilisation``); ``cpu_bound_rps`` = 1000 ÷ CPU ms per request is the ceiling
    the CPU cost alone allows.
 2. **open loop** at each of ``--rates`` (100 and 300 requests/s) for ``--open-s`` seconds: evenly spaced arrivals,
    whatever the answers do.
+3. **paired rounds**: ``--rounds`` (5) more closed loops, each on the gateway and then on
+   :mod:`bench.bare_sse_server` (aiohttp + uvloop streaming the same answer shape, nothing else; it runs beside the
+   gateway from the start), so each round's pair sees the same machine.
 
 Per phase:
 
@@ -30,26 +33,30 @@ Per phase:
   when the workers' prefill backlog is full.
 - ``client_ttft_ms`` p50 / p99, ``achieved_rps``, errors.
 
-Then the same closed loop against :mod:`bench.bare_sse_server` (aiohttp + uvloop streaming the same answer shape,
-nothing else): ``bare_aiohttp_cpu_ms_per_request`` is this machine's floor, and ``gateway_over_bare_cpu_ratio`` the
-gateway's cost over it, a figure that travels between machines better than milliseconds do.
+The headline figures come from the paired rounds (``closed_loop_rounds``): ``gateway_cpu_ms_per_request`` and
+``bare_aiohttp_cpu_ms_per_request`` are the medians of each side's rounds, the second this machine's floor;
+``gateway_over_bare_cpu_ratio`` is the median of the rounds' ratios, a figure that travels between machines better
+than milliseconds do.
 
 Result: JSON to ``bench/results/gateway.json``. Loopback only.
 
-Run: ``.venv/bin/python -m bench.gateway_bench`` (about 1 minute; ``--quick`` for a 20-second smoke run).
+Run: ``.venv/bin/python -m bench.gateway_bench`` (about 1.5 minutes; ``--quick`` for a 20-second smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.common import mt_bench_prompts, percentile, write_result
@@ -279,9 +286,10 @@ def _start_py_spy(pid: int, svg_path: str) -> subprocess.Popen:
     return spy
 
 
-def bare_server_cpu_ms_per_request(prompts: list[str], args: argparse.Namespace) -> float:
-    """Run the closed-loop phase against :mod:`bench.bare_sse_server` (same client, concurrency and requests) and
-    return its CPU ms per request: the floor of this machine under the gateway's figure."""
+@contextlib.contextmanager
+def bare_server(prompts: list[str], args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """Run :mod:`bench.bare_sse_server`, warmed up with ``args.warmup_requests`` requests; yield its base URL and
+    pid. It stays up beside the gateway, so the two are measured in alternation (:func:`paired_rounds`)."""
     import urllib.request
 
     port = free_port()
@@ -297,15 +305,37 @@ def bare_server_cpu_ms_per_request(prompts: list[str], args: argparse.Namespace)
         base_url = f"http://127.0.0.1:{port}"
         run_client(base_url, prompts, args.client_processes, concurrency=args.concurrency,
                    num_requests=args.warmup_requests, rate_rps=None, limit_s=60.0)
-        time.sleep(0.5)
-        cpu_before_s = process_cpu_s(server.pid)
-        phase = run_client(base_url, prompts, args.client_processes, concurrency=args.concurrency,
-                           num_requests=args.closed_requests, rate_rps=None, limit_s=120.0)
-        cpu_s = process_cpu_s(server.pid) - cpu_before_s
-        return round(cpu_s * 1000 / max(1, len(phase["results"])), 3)
+        yield base_url, server.pid
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def closed_loop_cpu_ms(base_url: str, pid: int, prompts: list[str], args: argparse.Namespace) -> float:
+    """Run one closed loop of ``args.closed_requests`` at ``args.concurrency`` against ``base_url`` and return the
+    CPU ms per request of process ``pid``."""
+    time.sleep(0.3)
+    cpu_before_s = process_cpu_s(pid)
+    phase = run_client(base_url, prompts, args.client_processes, concurrency=args.concurrency,
+                       num_requests=args.closed_requests, rate_rps=None, limit_s=120.0)
+    cpu_s = process_cpu_s(pid) - cpu_before_s
+    return round(cpu_s * 1000 / max(1, len(phase["results"])), 3)
+
+
+def paired_rounds(gateway: tuple[str, int], bare: tuple[str, int], prompts: list[str],
+                  args: argparse.Namespace) -> list[dict]:
+    """Measure the closed loop's CPU ms per request ``args.rounds`` times on the gateway and then on the bare server,
+    in alternation, so both see the same machine (another process's load, frequency, cache) each round; return one
+    ``{"gateway_cpu_ms", "bare_cpu_ms", "ratio"}`` per round. One round alone moved the ratio by 1.6-2.8 on a quiet
+    2-core machine (three runs of the single-round bench, minutes apart); the medians of the rounds are the result."""
+    rounds = []
+    for _ in range(args.rounds):
+        gateway_ms = closed_loop_cpu_ms(*gateway, prompts, args)
+        bare_ms = closed_loop_cpu_ms(*bare, prompts, args)
+        rounds.append({"gateway_cpu_ms": gateway_ms, "bare_cpu_ms": bare_ms,
+                       "ratio": round(gateway_ms / bare_ms, 3) if bare_ms > 0 else None})
+        print(json.dumps(rounds[-1]), flush=True)
+    return rounds
 
 
 def main() -> None:
@@ -314,7 +344,9 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.2, help="sim.time_scale (shorter simulated steps)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--client-processes", type=int, default=2, help="load client processes")
-    parser.add_argument("--closed-requests", type=int, default=1000)
+    parser.add_argument("--closed-requests", type=int, default=2000, help="requests of each closed loop")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="closed loops measured in alternation on the gateway and the bare server")
     parser.add_argument("--rates", type=float, nargs="*", default=[100.0, 300.0])
     parser.add_argument("--open-s", type=float, default=10.0, help="seconds of each open-loop rate")
     parser.add_argument("--warmup-requests", type=int, default=200)
@@ -327,12 +359,12 @@ def main() -> None:
     parser.add_argument("--profile-phase", default="closed_loop", help="the phase --profile samples")
     args = parser.parse_args()
     if args.quick:
-        args.closed_requests, args.open_s, args.warmup_requests = 300, 3.0, 50
+        args.closed_requests, args.open_s, args.warmup_requests, args.rounds = 300, 3.0, 50, 1
 
     prompts = mt_bench_prompts(80)
     config = CONFIG.format(model=MODEL, workers=args.workers, time_scale=args.time_scale)
     phases = []
-    with SluiceProcess(config, min_ready_workers=args.workers) as server:
+    with SluiceProcess(config, min_ready_workers=args.workers) as server, bare_server(prompts, args) as bare:
         pid = server.process.pid
         run_client(server.base_url, prompts, args.client_processes, concurrency=args.concurrency,
                    num_requests=args.warmup_requests, rate_rps=None, limit_s=60.0)
@@ -357,21 +389,25 @@ def main() -> None:
             time.sleep(0.3)  # the last log lines are flushed
             phases.append(summarize(name, phase, cpu_s, request_log(server.log_path)))
             print(json.dumps(phases[-1]), flush=True)
+        rounds = paired_rounds((server.base_url, pid), bare, prompts, args)
     closed = phases[0]
-    cpu_ms = closed["gateway_cpu_ms_per_request"]
-    bare_cpu_ms = bare_server_cpu_ms_per_request(prompts, args)
+    cpu_ms = statistics.median(r["gateway_cpu_ms"] for r in rounds)
+    bare_cpu_ms = statistics.median(r["bare_cpu_ms"] for r in rounds)
+    ratio = statistics.median(r["ratio"] for r in rounds if r["ratio"] is not None)
     result = {
         "bench": "gateway",
         "config": {"workers": args.workers, "client_processes": args.client_processes, "time_scale": args.time_scale,
                    "concurrency": args.concurrency, "unique_prompts": args.unique_prompts,
-                   "closed_requests": args.closed_requests, "rates_rps": args.rates, "open_s": args.open_s,
+                   "closed_requests": args.closed_requests, "rounds": args.rounds, "rates_rps": args.rates,
+                   "open_s": args.open_s,
                    "output_tokens": OUTPUT_TOKENS, "cpu_count": os.cpu_count(),
                    "load_avg_1m": round(os.getloadavg()[0], 2)},
         "gateway_cpu_ms_per_request": cpu_ms,
         "saturation_rps": closed["achieved_rps"],
         "cpu_bound_rps": round(1000.0 / cpu_ms, 1) if cpu_ms > 0 else None,
         "bare_aiohttp_cpu_ms_per_request": bare_cpu_ms,
-        "gateway_over_bare_cpu_ratio": round(cpu_ms / bare_cpu_ms, 2) if bare_cpu_ms > 0 else None,
+        "gateway_over_bare_cpu_ratio": round(ratio, 2),
+        "closed_loop_rounds": rounds,
         "idle_gateway_cpu_ms_per_s": round(idle_cpu_ms_per_s, 2),
         "phases": phases,
     }

@@ -130,18 +130,22 @@ class ScalingLoop:
     def on_arrival(self, runtime: PoolRuntime) -> None:
         """Wake the autoscaler now when the offered load, with the request that just arrived, needs more workers
         than the pool has ready or starting (rule 3 of ``gateway.fleet.autoscaler``: a burst begins), instead of at its
-        next tick up to ``autoscale.interval_s`` later. Looks at most every :data:`ARRIVAL_CHECK_INTERVAL_S`."""
+        next tick up to ``autoscale.interval_s`` later. Looks at most every :data:`ARRIVAL_CHECK_INTERVAL_S`, and not
+        at all while the pool has all the local workers it may have (the demand sum walks the arrivals of the last
+        seconds: about 1% of the gateway's CPU at 1300 requests/s when it ran for nothing)."""
         now_s = self._clock()
         if (self.kick_event.is_set() or not self.may_spawn(runtime)
                 or now_s - runtime.arrival_checked_at_s < ARRIVAL_CHECK_INTERVAL_S):
             return
         runtime.arrival_checked_at_s = now_s
+        num_local = len(self.active_local(runtime))
+        if num_local >= self.max_local(runtime):
+            return
         needed = self.demand_workers(runtime)
         if needed is None:
             return
-        num_local = len(self.active_local(runtime))
         num_remote = sum(1 for client, _ in runtime.remote.values() if client.ready)
-        if math.ceil(needed - 1e-9) > num_local + num_remote and num_local < self.max_local(runtime):
+        if math.ceil(needed - 1e-9) > num_local + num_remote:
             self.kick()
 
     def autoscale_tick(self) -> None:

@@ -526,6 +526,17 @@ async def test_an_arrival_that_needs_more_workers_wakes_the_autoscaler_at_once()
         now[0] += 0.1
         await arrive()  # 400 tokens: 1.33 workers, one is ready
         assert fleet.scaling.kick_event.is_set()
+        fleet.scaling.kick_event.clear()
+        for i in range(1, 4):  # the pool's max_workers, all ready: no worker may come, so the load is not summed
+            runtime.local[f"w{i}"] = LocalWorker("sim", i, f"w{i}", "/nonexistent/ready", None,
+                                                 WorkerClient("unix:/nonexistent/ready", f"sim-{i}"), now[0],
+                                                 WorkerState.READY)
+        summed = []
+        fleet.scaling.demand_workers = summed.append
+        for _ in range(20):  # 2000 tokens: 6.7 workers
+            now[0] += 0.1
+            await arrive()
+        assert not fleet.scaling.kick_event.is_set() and summed == []
     finally:
         for task in waiting:
             task.cancel()

@@ -112,6 +112,13 @@ class SluiceError(Exception):
         return error_envelope(self.code, self.message, self.param)
 
 
+def model_not_found(model: str, served: list[str]) -> SluiceError:
+    """Return the 404 ``model_not_found`` for ``model``, naming the ``served`` model ids (``param``: ``model``)."""
+    names = ", ".join(f"'{name}'" for name in served)
+    return SluiceError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server serves {names} "
+                       "(see /v1/models)", param="model")
+
+
 def error_envelope(code: ErrorCode, message: str, param: str | None = None) -> dict[str, Any]:
     """Build ``{"error": {"message", "type", "param", "code"}}`` for a code."""
     return {"error": {"message": message, "type": error_type(code), "param": param, "code": code.value}}

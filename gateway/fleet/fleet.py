@@ -55,7 +55,7 @@ from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool, WorkerStatus
 from shared.auth import load_secret
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
-from shared.errors import ErrorCode, SluiceError
+from shared.errors import model_not_found
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -227,9 +227,7 @@ class Fleet:
         for runtime in self.runtimes.values():
             if runtime.config.model_name == model:
                 return runtime
-        served = ", ".join(f"'{m}'" for m in self.model_names())
-        raise SluiceError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server serves "
-                          f"{served} (see /v1/models)", param="model")
+        raise model_not_found(model, self.model_names())
 
     def model_names(self) -> list[str]:
         """Return the served model ids, one per pool, in config order (duplicates once)."""

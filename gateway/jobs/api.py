@@ -46,8 +46,8 @@ from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
 from gateway.jobs.stores import STORE_UNAVAILABLE_ERRORS
 from gateway.state import CONFIG, PIPELINE, REQUEST_LOG, RESOLVER
-from shared.config import Config, TierConfig, lowest_tier
-from shared.errors import ErrorCode, SluiceError
+from shared.config import Config, TierConfig, lowest_tier, served_model_names
+from shared.errors import ErrorCode, SluiceError, model_not_found
 
 DEFER_HEADER = "x-sluice-defer"
 DEFER_ALLOW = "allow"
@@ -169,9 +169,9 @@ def validate_request_body(config: Config, kind: str, body: dict[str, Any]) -> by
     encoded = msgspec.json.encode(body)
     schema = openai_api.ChatCompletionRequest if kind == KIND_CHAT else openai_api.CompletionRequest
     request = openai_api.decode_body(encoded, schema)
-    if request.model != config.model.name:
-        raise SluiceError(ErrorCode.MODEL_NOT_FOUND, f"The model '{request.model}' does not exist; this server "
-                          f"serves '{config.model.name}' (see /v1/models)", param="model")
+    served = served_model_names(config)
+    if request.model not in served:  # any pool's model: the job runs on the pool it names, as a request would
+        raise model_not_found(request.model, served)
     openai_api.check_unsupported(request)
     if kind == KIND_CHAT:
         openai_api.chat_messages(request)

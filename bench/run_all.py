@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench.common import REPO_ROOT, RESULTS_DIR
 

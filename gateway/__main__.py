@@ -34,6 +34,7 @@ import time
 import structlog
 from aiohttp import web
 
+from gateway.aio import wait_event
 from gateway.app import build_app
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.auth import load_secret
@@ -121,10 +122,7 @@ async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) ->
         left_s = timeout_s - (time.monotonic() - started_s)
         if left_s <= 0:
             break
-        try:
-            await asyncio.wait_for(force.wait(), min(DRAIN_POLL_INTERVAL_S, left_s))
-        except TimeoutError:
-            pass
+        await wait_event(force, min(DRAIN_POLL_INTERVAL_S, left_s))
     log.info("gateway_drained", active_requests=metrics.num_active_requests,
              drain_s=round(time.monotonic() - started_s, 3))
     return metrics.num_active_requests

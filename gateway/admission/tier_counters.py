@@ -40,6 +40,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.admission.stats import AdmissionStats
+from gateway.aio import wait_event
 from shared.config import Config
 
 log = structlog.get_logger("sluice.gateway")
@@ -203,8 +204,7 @@ class TierCounters:
     async def _run(self) -> None:
         while not self._stopping.is_set():
             await self.sync_once()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+            await wait_event(self._stopping, self._interval_s)
 
     async def sync_once(self) -> bool:
         """Publish this gateway's counts and read the other live gateways' (one Redis round trip).

@@ -26,6 +26,7 @@ import structlog
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.aio import wait_event
 from shared.config import RegistryConfig
 from shared.protocol import Hello
 from shared.registry_keys import events_channel, index_key, registry_keys
@@ -161,8 +162,7 @@ class RegistryWatcher:
             while True:
                 for event in await self.poll_once():
                     yield event
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self._config.poll_interval_s)
+                await wait_event(wake, self._config.poll_interval_s)
                 wake.clear()
         finally:
             listener.cancel()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from gateway.aio import wait_event
 from gateway.fleet.autoscaler import Autoscaler, PoolObservation, ScaleAction, ScaleDecision, WorkerState, WorkerView
 from gateway.fleet.local_processes import LocalProcesses
 from gateway.fleet.pools import LocalWorker, PoolRuntime
@@ -168,8 +169,7 @@ class ScalingLoop:
                 self.autoscale_tick()
             except Exception:  # a bug must not stop autoscaling for good; it is logged with its traceback
                 log.exception("autoscale_tick_failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.kick_event.wait(), interval_s)
+            await wait_event(self.kick_event, interval_s)
             self.kick_event.clear()
 
     def active_local(self, runtime: PoolRuntime) -> list[LocalWorker]:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
+from gateway.aio import wait_event
 from gateway.jobs.idle_capacity import IdleCapacity
 from gateway.jobs.models import (
     CANCELLED,
@@ -154,10 +155,7 @@ class JobRunner:
 
     async def _sleep(self, seconds: float) -> None:
         self._wake.clear()
-        try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        except TimeoutError:
-            pass
+        await wait_event(self._wake, seconds)
 
     async def _claim_loop(self) -> None:
         poll_s = self.config.poll_interval_s

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 import structlog
 
+from gateway.aio import wait_event
 from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.connector import WorkerConnector
 from gateway.workers.kv_booking import KvBooking
@@ -201,11 +202,7 @@ class WorkerClient:
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait until the worker said Hello; return whether it did within ``timeout_s``."""
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._ready, timeout_s)
 
     def expect_exit(self) -> None:
         """The worker is being stopped: its disconnect is expected (logged at info, not as a warning) and the

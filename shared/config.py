@@ -476,7 +476,9 @@ class PoolConfig(_Section):
         devices: CUDA device ids, one local worker per device (``CUDA_VISIBLE_DEVICES``); [] = every visible GPU for
             ``cuda``, no device pinning otherwise.
         min_workers: local workers kept even when idle; 0 lets the pool scale to zero (requests then wait through a
-            cold start in their tier queue).
+            cold start in their tier queue when the expected cold start fits their tier's deadline, else 503
+            ``predicted_queue_timeout`` with ``Retry-After``; until one has been measured the expected cold start is
+            ``autoscale.initial_cold_start_s``).
         max_workers: most local workers; 0 = remote workers only.
         cost_per_worker_s: relative cost of one worker-second, for reports (e.g. 1.0 for an H200, 0.3 for a small GPU).
         scale_up_after_s: seconds the scale-up condition (predicted queue wait above ``target_queue_wait_s``, or
@@ -854,13 +856,17 @@ _SECRET_KEY_WORDS = ("url", "password", "secret", "token", "key")
 
 
 class _EnvOverride(msgspec.Struct, frozen=True):
-    """One ``SLUICE_<SECTION>__<KEY>=text`` variable and the key and value it sets."""
+    """One ``SLUICE_<SECTION>__<KEY>=text`` variable and the key and value it sets; a key inside a nested table
+    takes one ``__`` per level (``SLUICE_KV__RETENTION__NORMAL__TTL_SCALE`` sets ``kv.retention.normal.ttl_scale``)."""
 
     variable: str
     text: str
-    section: str
-    key: str
+    path: tuple[str, ...]  # the tables, outermost first, then the key
     value: Any
+
+    @property
+    def key(self) -> str:
+        return self.path[-1]
 
     def label(self) -> str:
         """``VARIABLE=value`` for error messages; the value is left out of keys that may hold a secret (a Redis
@@ -871,16 +877,18 @@ class _EnvOverride(msgspec.Struct, frozen=True):
 
 
 def _env_overrides(environ: dict[str, str]) -> list[_EnvOverride]:
+    """Return the ``SLUICE_*`` variables that name a key (they hold ``__``; ``SLUICE_LOG_LEVEL`` and the like
+    configure other things), each with its value read as a TOML value, else as a string."""
     overrides = []
     for name, text in environ.items():
         if not name.startswith("SLUICE_") or "__" not in name:
             continue
-        section, _, key = name[len("SLUICE_"):].lower().partition("__")
+        path = tuple(name[len("SLUICE_"):].lower().split("__"))
         try:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             value = text
-        overrides.append(_EnvOverride(name, text, section, key, value))
+        overrides.append(_EnvOverride(name, text, path, value))
     return overrides
 
 
@@ -892,11 +900,16 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[_EnvOverride]) -> dict
     """
     merged = dict(raw)
     for override in overrides:
-        table = merged.get(override.section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{override.label()}: {override.section} is not a table, so it has no key "
-                              f"{override.key}")
-        merged[override.section] = {**table, override.key: override.value}
+        *tables, key = override.path
+        parent = merged
+        for depth, name in enumerate(tables):
+            table = parent.get(name, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{override.label()}: {'.'.join(tables[:depth + 1])} is not a table, so it has "
+                                  f"no key {'.'.join(override.path[depth + 1:])}")
+            parent[name] = table = dict(table)  # copied level by level: raw stays as it is
+            parent = table
+        parent[key] = override.value
     return merged
 
 

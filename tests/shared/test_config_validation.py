@@ -68,6 +68,9 @@ def test_a_directory_is_an_error_naming_it(tmp_path):
     ("SLUICE_GATEWAY__MAX_N", "0", "SLUICE_GATEWAY__MAX_N=0: Expected `int` >= 1 - at `$.gateway.max_n`"),
     ("SLUICE_NOPE__PORT", "1", "SLUICE_NOPE__PORT=1: Object contains unknown field `nope`"),
     ("SLUICE_TIERS__NAME", "x", "SLUICE_TIERS__NAME=x: tiers is not a table, so it has no key name"),
+    ("SLUICE_KV__RETENTION__NORMAL__TTL_SCALE", "2", "SLUICE_KV__RETENTION__NORMAL__TTL_SCALE=2: Expected `float` "
+     "<= 1.0 - at `$.kv.retention.normal.ttl_scale`"),
+    ("SLUICE_GATEWAY__PORT__X", "1", "SLUICE_GATEWAY__PORT__X=1: gateway.port is not a table, so it has no key x"),
 ])
 def test_an_override_error_names_the_variable(tmp_path, name, text, message):
     path = write(tmp_path, '[gateway]\nport = 8001\n[[tiers]]\nname = "standard"\n')
@@ -81,6 +84,12 @@ def test_an_error_in_the_file_is_blamed_on_the_file_even_with_overrides(tmp_path
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={"SLUICE_GATEWAY__PORT": "8001"})
     assert str(info.value) == f"{path}:2: Expected `float` > 0.0 - at `$.worker.kv_cache_gib`"
+
+
+def test_an_override_reaches_a_key_of_a_nested_table_and_keeps_its_siblings(tmp_path):
+    path = write(tmp_path, "[kv.retention.normal]\nmax_ttl_s = 120.0\n")
+    config = load_config(path, environ={"SLUICE_KV__RETENTION__NORMAL__TTL_SCALE": "0.5"})
+    assert (config.kv.retention.normal.ttl_scale, config.kv.retention.normal.max_ttl_s) == (0.5, 120.0)
 
 
 def test_an_override_may_replace_a_bad_value_of_the_file(tmp_path):

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.config import PoolConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,18 +42,35 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.write(text)
         return 0
-    from shared.config import ConfigError, load_config, validate_admission_config, validate_pool_config
+    from shared.auth import load_secret
+    from shared.config import (
+        ConfigError,
+        effective_pools,
+        load_config,
+        validate_admission_config,
+        validate_pool_config,
+    )
 
     try:
         config = load_config(args.config)
         validate_admission_config(config)
         validate_pool_config(config)
+        load_secret(config.worker)  # what serve and worker refuse at start: an unreadable file, a short secret
     except ConfigError as exc:
         print(f"sluice config: {exc}", file=sys.stderr)
         return 1
-    print(f"config ok: model {config.model.name}, gateway {config.gateway.host}:{config.gateway.port}, "
-          f"{config.worker.num_local_workers} local worker(s), backend {config.worker.backend}")
+    pools = "; ".join(_pool_summary(pool) for pool in effective_pools(config))
+    print(f"config ok: gateway {config.gateway.host}:{config.gateway.port}; pools: {pools}")
     return 0
+
+
+def _pool_summary(pool: PoolConfig) -> str:
+    """One pool in the ``--check`` line: its model id, and its upstreams or its local workers and backend."""
+    if pool.backend == "openai":
+        return f"{pool.name} ({pool.model_name}, {len(pool.upstreams)} upstream(s), engine {pool.engine})"
+    low, high = pool.min_workers, pool.max_workers
+    workers = f"{low}" if low == high else f"{low}-{high}"
+    return f"{pool.name} ({pool.model_name}, {workers} local worker(s), backend {pool.backend})"
 
 
 if __name__ == "__main__":

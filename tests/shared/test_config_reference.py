@@ -74,3 +74,24 @@ def test_sluice_config_check_reports_the_bad_key(tmp_path, capsys):
     assert "port" in capsys.readouterr().err
     assert config_main(["--check", "--config", str(ROOT / "config.toml")]) == 0
     assert Config().model.name in capsys.readouterr().out
+
+
+def test_sluice_config_check_refuses_what_serve_refuses_and_names_every_pool(tmp_path, capsys):
+    """A secret file that cannot be read or a short secret fail the check as they fail ``serve`` (they passed it);
+    the ok line names each ``[[pools]]`` entry."""
+    unreadable = tmp_path / "unreadable.toml"
+    unreadable.write_text(f'[worker]\nsecret_file = "{tmp_path / "missing"}"\n')
+    assert config_main(["--check", "--config", str(unreadable)]) == 1
+    assert "worker.secret_file: cannot read" in capsys.readouterr().err
+    short = tmp_path / "short.toml"
+    short.write_text('[worker]\nsecret = "short"\n')
+    assert config_main(["--check", "--config", str(short)]) == 1
+    assert "at least 16 characters" in capsys.readouterr().err
+    pools = tmp_path / "pools.toml"
+    pools.write_text('[[pools]]\nname = "sim"\nbackend = "sim"\nmin_workers = 0\nmax_workers = 4\n\n'
+                     '[[pools]]\nname = "vllm"\nmodel_name = "big"\nbackend = "openai"\nengine = "vllm"\n'
+                     'upstreams = ["http://127.0.0.1:9"]\n')
+    assert config_main(["--check", "--config", str(pools)]) == 0
+    out = capsys.readouterr().out
+    assert "sim (SmolLM2-135M-Instruct, 0-4 local worker(s), backend sim)" in out
+    assert "vllm (big, 1 upstream(s), engine vllm)" in out

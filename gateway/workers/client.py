@@ -91,6 +91,7 @@ class WorkerClient:
         self.last_token_at_s = -math.inf  # time.monotonic() of the last token of any request (deep readiness)
         self.connected_at_s = 0.0
         self.num_connections = 0
+        self.last_disconnect: str | None = None  # why the last connection ended, until the next Hello
         self._on_capacity = on_capacity
         self._writer: asyncio.StreamWriter | None = None
         self._outbox: list[bytes] = []  # frames queued in this event-loop iteration (see _send)
@@ -250,7 +251,12 @@ class WorkerClient:
             return None
         if self.draining or (self.capacity is not None and self.capacity.draining):
             return f"worker {self.name}: draining"
-        return f"worker {self.name} at {self.address}: " + ("not connected" if self._writer is None else "no Hello yet")
+        where = f"worker {self.name} at {self.address}: "
+        if self._connector.last_handshake_failure is not None:
+            return where + self._connector.last_handshake_failure
+        if self._writer is None:
+            return where + ("not connected" if self.last_disconnect is None else f"down ({self.last_disconnect})")
+        return where + "no Hello yet"
 
     def mark_draining(self) -> None:
         """Send no new request to this worker from now on (``ready`` turns False); the running ones go on."""
@@ -326,6 +332,7 @@ class WorkerClient:
                 self._changed()
             case Hello():
                 self.hello = message
+                self.last_disconnect = None
                 self._ready.set()
                 log.info("worker_ready", worker=self.name, worker_id=message.worker_id, model=message.model_id,
                          backend=message.backend, device=message.device, kv_blocks=message.num_kv_blocks,
@@ -343,6 +350,7 @@ class WorkerClient:
                 "worker_disconnected", worker=self.name, reason=reason, in_flight=len(self._streams))
         self.hello = None
         self.capacity = None
+        self.last_disconnect = reason
         self._ready.clear()
         streams, self._streams = self._streams, {}
         for stream in streams.values():

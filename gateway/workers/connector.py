@@ -63,6 +63,7 @@ class WorkerConnector:
         self._on_close = on_close
         self._is_closing = is_closing
         self.num_auth_failures = 0  # refused handshakes in a row
+        self.last_handshake_failure: str | None = None  # why the last handshake failed, until one succeeds
         self.num_opened = 0
 
     async def run(self) -> None:
@@ -90,6 +91,7 @@ class WorkerConnector:
                 await asyncio.sleep(AUTH_RETRY_INTERVAL_S if self.num_auth_failures else RECONNECT_INTERVAL_S)
                 continue
             self.num_auth_failures = 0
+            self.last_handshake_failure = None
             self.num_opened += 1
             self._on_open(writer, codec, hello)
             self._on_close(await self._read_loop(reader, codec))
@@ -111,6 +113,7 @@ class WorkerConnector:
                                           HANDSHAKE_TIMEOUT_S)
         except AuthError as exc:
             self.num_auth_failures += 1
+            self.last_handshake_failure = f"handshake refused: {exc}"
             if self.num_auth_failures in (1, 10) or self.num_auth_failures % 100 == 0:
                 log.error("worker_auth_failed", worker=self.name, address=self.address, reason=str(exc),
                           attempts=self.num_auth_failures)

@@ -47,8 +47,8 @@ class WorkerStatus(msgspec.Struct):
         connections: connections made so far.
         hello, capacity: its last ``Hello`` and ``Capacity`` fields (None before the first).
         capacity_age_s: seconds since the last capacity report.
-        state: ``ready``; ``starting`` (no Hello yet, or an upstream not polled yet); ``draining``; ``down``
-            (it said Hello once and is unreachable now); the fleet puts a local worker process's own state here.
+        state: ``ready``; ``starting`` (never connected yet, or an upstream not polled yet); ``draining``;
+            ``down`` (it was connected once and is not now); the fleet puts a local worker process's own state here.
         not_ready_reason: why it takes no request now (``/readyz``'s words), None when it does.
         pool, local: the pool it serves and whether this gateway spawned it (set by the fleet; ``""`` / False from
             a bare pool).
@@ -411,8 +411,8 @@ def _worker_state(client: WorkerClient) -> str:
     """Return ``WorkerStatus.state`` of a worker as this pool sees it."""
     if client.ready:
         return "ready"
-    if client.hello is None:
-        return "starting"
     if client.draining or (client.capacity is not None and client.capacity.draining):
         return "draining"
-    return "down"
+    if client.hello is None and client.num_connections == 0:
+        return "starting"
+    return "down"  # it was connected once (a lost connection clears its Hello) and is not now

@@ -268,3 +268,16 @@ async def test_admission_admits_requests_sharing_a_prefix_together_within_the_re
     for ticket in tickets:
         controller.release(ticket)
     assert worker.reserved_blocks == 0 and controller.stats().tiers["standard"].in_flight_kv_blocks == 0
+
+
+def test_a_worker_that_lost_its_connection_is_down_with_the_reason_not_starting():
+    never = WorkerClient("unix:/nonexistent/never", "never")
+    lost = client("lost")
+    lost.num_connections, lost._writer = 1, None
+    lost._disconnect("worker closed the connection")  # its Hello is gone with the connection
+    pool = WorkerPool([never, lost])
+    states = {worker.name: (worker.state, worker.not_ready_reason) for worker in pool.status()}
+    assert states == {
+        "never": ("starting", "worker never at unix:/nonexistent/never: not connected"),
+        "lost": ("down", "worker lost at unix:/nonexistent/lost: down (worker closed the connection)"),
+    }

@@ -78,7 +78,8 @@ def test_worker_without_the_secret_is_refused_by_the_gateway_and_logged():
                      ready="healthz") as gw:
             [event] = wait_for(lambda: gw.log_events("worker_auth_failed"), 30.0, "the gateway to refuse it")
             assert "runs without the shared secret" in event["reason"]
-            assert get_json(f"{gw.base_url}/readyz")[0] == 503  # no ready worker
+            status, body = get_json(f"{gw.base_url}/readyz")  # no ready worker, and why
+            assert status == 503 and "handshake refused: " in body["error"]["message"], body
 
 
 def test_gateway_without_the_secret_is_refused_by_the_worker_which_ignores_an_unauthenticated_drain():
@@ -91,7 +92,8 @@ def test_gateway_without_the_secret_is_refused_by_the_worker_which_ignores_an_un
             assert "this gateway has none" in event["reason"]
             refusals = wait_for(lambda: locked.log_events("gateway_auth_failed"), 30.0, "the worker to refuse it")
             assert "without answering the challenge" in refusals[0]["reason"]
-            assert get_json(f"{gw.base_url}/readyz")[0] == 503  # no ready worker
+            status, body = get_json(f"{gw.base_url}/readyz")  # no ready worker, and why
+            assert status == 503 and "handshake refused: " in body["error"]["message"], body
         # a raw peer that skips the handshake: its Drain is refused and the connection closed
         with socket.create_connection(("127.0.0.1", locked.port), timeout=10) as raw:
             raw.recv(4096)  # the Challenge

@@ -388,6 +388,22 @@ max_workers = 0
             assert body["error"]["code"] == "rate_limit_exceeded" and int(headers["Retry-After"]) >= 1
 
 
+# a second pool, serving the model id "small-model" with one sim worker
+SMALL_POOL = """
+[[pools]]
+name = "small"
+model_name = "small-model"
+backend = "sim"
+min_workers = 1
+max_workers = 1
+"""
+
+
+def wait_for_pools(gw: Gateway, *names: str) -> None:
+    wait_for(lambda: all(gw.pool(name)["workers"]["ready"] == 1 for name in names), START_TIMEOUT_S,
+             " and ".join(names))
+
+
 def test_degrade_routing_only_at_the_configured_pressure_and_visible_in_the_response():
     # pool "big" has 32 KV blocks of 16 tokens: one long request reserves > 85% of them → elevated pressure
     config = """
@@ -416,17 +432,9 @@ backend = "sim"
 min_workers = 1
 max_workers = 1
 env = { SLUICE_SIM__KV_CACHE_GIB = "0.0625" }
-
-[[pools]]
-name = "small"
-model_name = "small-model"
-backend = "sim"
-min_workers = 1
-max_workers = 1
-"""
+""" + SMALL_POOL
     with Gateway(config) as gw:
-        wait_for(lambda: all(gw.pool(p)["workers"]["ready"] == 1 for p in ("big", "small")), START_TIMEOUT_S,
-                 "both pools")
+        wait_for_pools(gw, "big", "small")
 
         async def scenario():
             async with aiohttp.ClientSession() as session:
@@ -560,17 +568,9 @@ name = "big"
 backend = "sim"
 min_workers = 1
 max_workers = 1
-
-[[pools]]
-name = "small"
-model_name = "small-model"
-backend = "sim"
-min_workers = 1
-max_workers = 1
-"""
+""" + SMALL_POOL
     with Gateway(config) as gw:
-        wait_for(lambda: all(gw.pool(p)["workers"]["ready"] == 1 for p in ("big", "small")), START_TIMEOUT_S,
-                 "both pools")
+        wait_for_pools(gw, "big", "small")
         status, _, job = http("POST", gw.base_url + "/v1/jobs", {
             "model": "small-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert status == 202, job

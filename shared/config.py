@@ -500,8 +500,9 @@ class PoolConfig(_Section):
         kv_capacity_tokens: KV cache size of one upstream in tokens, for admission's KV demand; 0 = the engine's
             where it says (SGLang), else ``max_concurrency`` × ``[model].max_model_len_tokens``.
         metrics_interval_s: seconds between two polls of an upstream's ``/metrics`` (health and capacity).
-        api_key, api_key_env: the bearer token sent upstream, or the name of the environment variable that holds it
-            (read at start); both "" = none.
+        api_key: the bearer token sent upstream; "" = none, or the one ``api_key_env`` names.
+        api_key_env: the name of the environment variable that holds the bearer token sent upstream, read at start
+            (kept out of the config file); "" = none. Set at most one of ``api_key`` and ``api_key_env``.
     """
 
     name: str
@@ -761,6 +762,8 @@ def validate_pool_config(config: Config) -> None:
         if pool.backend == "openai":
             if not pool.upstreams:
                 raise ConfigError(f'{where}.upstreams: a pool with backend = "openai" needs at least one URL')
+            if pool.api_key and pool.api_key_env:
+                raise ConfigError(f"{where}: set api_key or api_key_env, not both")
             for url in pool.upstreams:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"{where}.upstreams: {url!r} is not an http:// or https:// URL")

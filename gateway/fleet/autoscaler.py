@@ -245,8 +245,9 @@ class Autoscaler:
             state.up_since_s = state.low_since_s = None
             count = min(max(1, needed or 1), max_workers) - num_local
             return self._up(pool, ScaleReason.QUEUED_WITHOUT_WORKER, now_s, max(1, count),
-                            f"{obs.num_queued} requests queued, no worker ready or starting; offered load needs "
-                            f"{obs.demand_workers if obs.demand_workers is None else round(obs.demand_workers, 2)}")
+                            f"{obs.num_queued} requests queued, no worker ready or starting"
+                            + ("" if obs.demand_workers is None
+                               else f"; offered load needs {obs.demand_workers:.2f} workers"))
         if (needed is not None and num_ready + num_starting > 0 and needed > num_ready + num_starting
                 and num_local < max_workers):
             add = min(needed, max_workers) - (num_ready + num_starting)

@@ -23,8 +23,17 @@ async def page(request: web.Request) -> web.FileResponse:
     return web.FileResponse(PAGE_PATH, headers={**_NO_CACHE, "Content-Type": "text/html; charset=utf-8"})
 
 
+async def to_page(request: web.Request) -> web.StreamResponse:
+    """``GET /dashboard/``: a permanent redirect to ``/dashboard`` (served there, the page's relative asset paths
+    would point under ``/dashboard/dashboard/``). Returned, not raised: the error middleware answers a raised
+    ``HTTPException`` with a JSON error, without its ``Location``."""
+    return web.Response(status=308, headers={"Location": "/dashboard"})
+
+
 def add_routes(router: web.UrlDispatcher) -> None:
-    """Register the page at ``/`` and ``/dashboard`` and its assets under :data:`STATIC_PREFIX`."""
+    """Register the page at ``/`` and ``/dashboard`` (``/dashboard/`` redirects there) and its assets under
+    :data:`STATIC_PREFIX`."""
     router.add_get("/", page)
     router.add_get("/dashboard", page)
+    router.add_get("/dashboard/", to_page)
     router.add_static(STATIC_PREFIX, STATIC_DIR, append_version=False)

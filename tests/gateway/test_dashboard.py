@@ -430,6 +430,8 @@ async def test_page_routes_serve_the_status_page(sim_server):
                 assert "http://" not in await response.text()
         async with session.get(sim_server.base_url + "/dashboard/static/nope.js") as response:
             assert response.status == 404
+        async with session.get(sim_server.base_url + "/dashboard/", allow_redirects=False) as response:
+            assert (response.status, response.headers.get("Location")) == (308, "/dashboard"), await response.text()
 
 
 async def test_status_page_matches_status_in_headless_chromium(sim_server, chromium, tmp_path):

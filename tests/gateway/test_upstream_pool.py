@@ -47,7 +47,9 @@ def test_an_upstream_pool_has_no_local_workers_and_needs_http_upstreams():
     assert pools["engine"].upstream_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     for pool, message in [({"name": "p", "backend": "openai"}, r"pools\[0\].upstreams: .* needs at least one URL"),
                           ({"name": "p", "backend": "openai", "upstreams": ["localhost:8000"]}, "not an http"),
-                          ({"name": "p", "backend": "sim", "upstreams": ["http://h:1"]}, "only a pool with")]:
+                          ({"name": "p", "backend": "sim", "upstreams": ["http://h:1"]}, "only a pool with"),
+                          ({"name": "p", "backend": "openai", "upstreams": ["http://h:1"], "api_key": "k",
+                            "api_key_env": "KEY"}, r"pools\[0\]: set api_key or api_key_env, not both")]:
         with pytest.raises(ConfigError, match=message):
             validate_pool_config(msgspec.convert({"pools": [pool]}, Config))
     with pytest.raises(msgspec.ValidationError, match="engine"):

@@ -711,12 +711,6 @@ def effective_pools(config: Config) -> list[PoolConfig]:
     return pools
 
 
-def served_model_names(config: Config) -> list[str]:
-    """Return the model ids requests may name (``/v1/models``): one per pool of :func:`effective_pools`, in config
-    order, each once."""
-    return list(dict.fromkeys(pool.model_name for pool in effective_pools(config)))
-
-
 def tokenizer_model_path(config: Config) -> str:
     """Return the model path the gateway's tokenizer loads: the first pool's ``tokenizer`` (else, for an upstream
     pool, its ``model`` when set), else ``[model]`` resolved (the default GGUF when empty).

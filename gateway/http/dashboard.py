@@ -25,9 +25,8 @@ async def page(request: web.Request) -> web.FileResponse:
 
 async def to_page(request: web.Request) -> web.StreamResponse:
     """``GET /dashboard/``: a permanent redirect to ``/dashboard`` (served there, the page's relative asset paths
-    would point under ``/dashboard/dashboard/``). Returned, not raised: the error middleware answers a raised
-    ``HTTPException`` with a JSON error, without its ``Location``."""
-    return web.Response(status=308, headers={"Location": "/dashboard"})
+    would point under ``/dashboard/dashboard/``)."""
+    raise web.HTTPPermanentRedirect("/dashboard")
 
 
 def add_routes(router: web.UrlDispatcher) -> None:

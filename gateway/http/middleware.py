@@ -52,6 +52,11 @@ def _json_error(error: SluiceError, request_id: str) -> web.Response:
 
 
 def _http_error(exc: web.HTTPException, request: web.Request, request_id: str) -> web.Response:
+    if isinstance(exc, web.HTTPRedirection):  # not an error: the answer is its Location (none for a 304)
+        headers = {"x-request-id": request_id}
+        if "Location" in exc.headers:
+            headers["Location"] = exc.headers["Location"]
+        return web.Response(status=exc.status, headers=headers)
     code = _HTTP_STATUS_TO_CODE.get(exc.status)
     if code is ErrorCode.BODY_TOO_LARGE:
         limit = request.app[CONFIG].gateway.max_body_bytes

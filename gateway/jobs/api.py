@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,8 @@ from gateway.jobs.models import (
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
 from gateway.jobs.stores import STORE_UNAVAILABLE_ERRORS
-from gateway.state import CONFIG, PIPELINE, REQUEST_LOG, RESOLVER
-from shared.config import Config, TierConfig, lowest_tier, served_model_names
+from gateway.state import CONFIG, FLEET, PIPELINE, REQUEST_LOG, RESOLVER
+from shared.config import Config, TierConfig, lowest_tier
 from shared.errors import ErrorCode, SluiceError, model_not_found
 
 DEFER_HEADER = "x-sluice-defer"
@@ -156,10 +156,11 @@ def check_metadata(value: Any, param: str = "metadata") -> dict[str, str]:
     return dict(value)
 
 
-def validate_request_body(config: Config, kind: str, body: dict[str, Any]) -> bytes:
+def validate_request_body(config: Config, kind: str, body: dict[str, Any], served_models: Sequence[str]) -> bytes:
     """Validate a completion request body as the sync endpoint would, and return it as stored (no streaming).
 
-    Checks what needs no worker: the schema, the model name, unsupported features, the messages / prompt shape and
+    Checks what needs no worker: the schema, the model name (any of ``served_models``, ``Fleet.model_names``: the
+    job runs on the pool it names, as a request would), unsupported features, the messages / prompt shape and
     ``n``. Length caps and the context limit are applied when the job runs (they depend on the workers).
 
     Raises:
@@ -169,9 +170,8 @@ def validate_request_body(config: Config, kind: str, body: dict[str, Any]) -> by
     encoded = msgspec.json.encode(body)
     schema = openai_api.ChatCompletionRequest if kind == KIND_CHAT else openai_api.CompletionRequest
     request = openai_api.decode_body(encoded, schema)
-    served = served_model_names(config)
-    if request.model not in served:  # any pool's model: the job runs on the pool it names, as a request would
-        raise model_not_found(request.model, served)
+    if request.model not in served_models:
+        raise model_not_found(request.model, list(served_models))
     openai_api.check_unsupported(request)
     if kind == KIND_CHAT:
         openai_api.chat_messages(request)
@@ -233,7 +233,7 @@ async def create_job(request: web.Request) -> web.Response:
         raise SluiceError(ErrorCode.INVALID_VALUE, f"priority must be an integer in [{MIN_PRIORITY}, "
                           f"{MAX_PRIORITY}] (larger runs first, inside the batch tier)", param="priority")
     metadata = check_metadata(body.pop("metadata", None))
-    encoded = validate_request_body(service.config, KIND_CHAT, body)
+    encoded = validate_request_body(service.config, KIND_CHAT, body, request.app[FLEET].model_names())
     await request.app[PIPELINE].check(KIND_CHAT, encoded, lowest_tier(service.config).name)
     job = await submit_job(service, owner, KIND_CHAT, encoded, priority=priority, metadata=metadata)
     request[REQUEST_LOG].update(job_id=job.id, outcome="queued")

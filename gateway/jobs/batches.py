@@ -75,7 +75,7 @@ from gateway.jobs.models import (
     output_file_id,
 )
 from gateway.jobs.store import TooManyJobsError
-from gateway.state import REQUEST_LOG
+from gateway.state import FLEET, REQUEST_LOG
 from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 
@@ -308,7 +308,8 @@ async def create_batch(request: web.Request) -> web.Response:
     batch = Batch(id=new_batch_id(), owner=owner, endpoint=endpoint, input_file_id=file_id, status=VALIDATING,
                   created_at=now_s, expires_at=now_s + COMPLETION_WINDOW_S, metadata=metadata,
                   output_expires_after_s=output_expires_after_s)
-    jobs, errors = await asyncio.to_thread(_jobs_of_batch, service.config, batch, content)
+    jobs, errors = await asyncio.to_thread(_jobs_of_batch, service.config, batch, content,
+                                           request.app[FLEET].model_names())
     if errors:
         batch = msgspec.structs.replace(batch, status=BATCH_FAILED, failed_at=now_s, num_total=len(jobs) + len(errors),
                                         errors=errors[:MAX_REPORTED_ERRORS])
@@ -324,10 +325,12 @@ async def create_batch(request: web.Request) -> web.Response:
     return json_response(batch_view(batch))
 
 
-def _jobs_of_batch(config: Config, batch: Batch, content: bytes) -> tuple[list[Job], list[dict[str, Any]]]:
+def _jobs_of_batch(config: Config, batch: Batch, content: bytes,
+                   served_models: list[str]) -> tuple[list[Job], list[dict[str, Any]]]:
     """Return one queued job per input line, and the errors of the lines that fail the whole batch (a wrong ``url``
-    or model; OpenAI ``BatchError``: code, line, param, message). A line whose body is otherwise invalid is queued
-    as it is: it fails when it runs (a 400 in the error file). Synchronous (it runs in a thread)."""
+    or a model not in ``served_models``; OpenAI ``BatchError``: code, line, param, message). A line whose body is
+    otherwise invalid is queued as it is: it fails when it runs (a 400 in the error file). Synchronous (it runs in
+    a thread)."""
     kind = ENDPOINT_TO_KIND[batch.endpoint]
     jobs: list[Job] = []
     errors: list[dict[str, Any]] = []
@@ -337,7 +340,7 @@ def _jobs_of_batch(config: Config, batch: Batch, content: bytes) -> tuple[list[J
                            f"the line's url {line.url!r} differs from the batch endpoint {batch.endpoint!r}"})
             continue
         try:
-            encoded = validate_request_body(config, kind, line.body)
+            encoded = validate_request_body(config, kind, line.body, served_models)
         except SluiceError as exc:
             if exc.code is ErrorCode.MODEL_NOT_FOUND:
                 errors.append({"code": exc.code.value, "line": number, "param": exc.param and f"body.{exc.param}",

@@ -24,6 +24,21 @@ def test_hash_chains_over_the_parent():
     assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
 
 
+def test_hash_is_blake2b_of_the_msgpack_pair_when_remembered_too():
+    import hashlib
+
+    import msgspec
+
+    def direct(parent, tokens):
+        payload = msgspec.msgpack.encode((parent, list(tokens)))
+        return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+    first = hash_block_tokens(None, [7, 8, 9])
+    assert first == direct(None, [7, 8, 9])
+    assert hash_block_tokens(None, [7, 8, 9]) == first  # the second ask is answered from the memo
+    assert hash_block_tokens(first, range(3)) == direct(first, [0, 1, 2])
+
+
 def test_hash_token_blocks_hashes_full_blocks_and_reuses_known():
     tokens = list(range(10))
     hashes = hash_token_blocks(tokens, 4)

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import atexit
 import os
+from pathlib import Path
 import signal
 import sys
 import time
@@ -52,12 +53,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _pressure(usage: float) -> str:
-    if usage >= 0.95:
-        return "critical"
-    if usage >= 0.8:
-        return "elevated"
-    return "normal"
+def kv_model_id(config: Config, weights_mode: str) -> str:
+    """Return the name under which this worker's KV blocks are shared (the Redis tier's keys): the served model's
+    name, the weights it runs (``int4`` / ``int8`` / a dtype: the same checkpoint quantized otherwise computes other
+    K/V) and which weights those are (a synthetic model's shape, else the checkpoint's file name and size in bytes:
+    two files served under one name are not mixed up), e.g. ``SmolLM2-135M-Instruct:int4:…Q4_1.gguf-99921344``."""
+    if config.model.synthetic:
+        source = f"synthetic-{config.model.synthetic}"
+    else:
+        path = Path(resolve_model_path(config.model))
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        source = f"{path.name}-{sum(f.stat().st_size for f in files if f.exists())}"
+    return f"{config.model.name}:{weights_mode or 'dense'}:{source}"
 
 
 def physical_cores() -> int:
@@ -153,7 +160,7 @@ def _build_torch_runner(config: Config, backend: str):
     if use_graphs:
         decode_graphs = capture_decode_graphs(model, kv_cache, wc, config.model.max_model_len_tokens, num_blocks)
     runner = ModelRunner(model, kv_cache, wc.block_size_tokens, device, decode_graphs)
-    offload = build_offload_chain(config.kv, runner.block_io, config.model.name, dtype_name)
+    offload = build_offload_chain(config.kv, runner.block_io, kv_model_id(config, model.weights_mode), dtype_name)
     atexit.register(offload.close)  # the disk tier's folder
     attention_name = getattr(model.attention, "name", type(model.attention).__name__)
     return runner, spec, num_blocks, str(device), attention_name, offload
@@ -215,7 +222,6 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
     )
     def capacity() -> Capacity:
         stats = scheduler.stats()
-        usage = stats.num_used_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
         return Capacity(
             free_kv_blocks=stats.num_free_blocks,
             total_kv_blocks=stats.num_total_blocks,
@@ -227,7 +233,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
             prefill_tokens_per_s=engine.prefill_tokens_per_s(),
             prefix_hit_rate=engine.prefix_hit_rate(),
             num_preemptions=stats.num_preemptions,
-            pressure=_pressure(usage),
+            pressure=kv_manager.pressure,  # the level retention applies: [pressure.*] thresholds, hysteresis
             kv_stats=engine.kv_stats(),
             sequence_decode_tokens_per_s=engine.sequence_decode_tokens_per_s(),
             sequence_prefill_tokens_per_s=engine.sequence_prefill_tokens_per_s(),

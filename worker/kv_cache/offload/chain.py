@@ -173,7 +173,7 @@ def build_offload_chain(config: KVConfig, io, model_id: str, dtype_name: str, st
     Args:
         config: the ``[kv]`` section.
         io: :class:`~worker.model_runner.KVBlockIO` over the device pool.
-        model_id: the served model's id (namespaces Redis keys).
+        model_id: the served model and weights (``worker.__main__.kv_model_id``; namespaces Redis keys).
         dtype_name: the KV dtype, e.g. ``float32`` (namespaces Redis keys).
         stats: counters shared with the manager.
         clock: the manager's clock (block expiry deadlines are on it).

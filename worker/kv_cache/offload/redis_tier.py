@@ -1,7 +1,9 @@
 """Redis tier: KV blocks shared by every worker serving the same model, bounded per worker, with a TTL per key.
 
-Key: ``sluice:kv:{model_id}:{dtype}:{chain_hash as 16 hex digits}``, so nothing crosses models or dtypes (the block
-size is part of the chain hash: a block hashes its own token ids). Value: msgpack ``(parent_hash, token_ids,
+Key: ``sluice:kv:{model_id}:{dtype}:{chain_hash as 16 hex digits}``, so nothing crosses models, weights or dtypes
+(``model_id`` is the worker's :func:`worker.__main__.kv_model_id`: the model's name, the weights it runs — int4, int8
+or dense — and the checkpoint's file name and size; the block size is part of the chain hash: a block hashes its own
+token ids). Value: msgpack ``(parent_hash, token_ids,
 data)``; a reload verifies the token ids, so even a foreign or colliding key never serves another conversation.
 
 Bound: each worker counts the bytes of the keys it wrote (least recently used first) and deletes its oldest keys
@@ -70,7 +72,7 @@ class RedisTier(OffloadTier):
 
     Args:
         url: ``redis://host:port/db``.
-        model_id: the served model's id (part of every key).
+        model_id: the served model and weights (``kv_model_id``; part of every key).
         dtype: the KV dtype name, e.g. ``float32`` (part of every key).
         block_bytes: bytes of one block; a stored value of another size is a miss.
         capacity_bytes: most bytes of block data this worker keeps in Redis.

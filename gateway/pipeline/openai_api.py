@@ -2,12 +2,14 @@
 
 Policy (deliberate, documented in the README):
 
-- Unknown fields are accepted and ignored, as OpenAI-compatible servers do (SDKs send extra keys).
+- Unknown fields are accepted and ignored, as vLLM does (SDKs send extra keys; OpenAI itself answers 400).
 - Known fields with a wrong type or value are rejected with 400 and the field path in ``param``
   (``messages[0].content``, ``max_tokens`` …).
 - Features Sluice does not implement are rejected with a clear 400 rather than silently ignored when ignoring them
   would change the answer: non-zero ``presence_penalty``/``frequency_penalty``, ``tools``, ``response_format``
-  other than text, ``echo``, ``suffix``, ``best_of`` ≠ ``n``.
+  other than text, ``echo``, ``suffix``, ``best_of`` ≠ ``n``, tool calls in the history (``messages[i].tool_calls``),
+  and vLLM's sampling and template extensions (:data:`VLLM_EXTENSIONS`: ``min_tokens``, ``repetition_penalty``,
+  ``guided_json`` …) set to anything but their neutral value; vLLM's ``top_k`` and ``ignore_eos`` are served.
 - ``logprobs``: chat ``logprobs: true`` with ``top_logprobs`` 0–20 (``top_logprobs`` > 0 needs ``logprobs: true``);
   completions ``logprobs`` 0–5 (OpenAI's limits).
 - ``max_tokens`` / ``max_completion_tokens``: null or omitted means the default; 0, negative or fractional is 400.
@@ -55,6 +57,8 @@ class ChatMessage(_Schema, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None  # rejected when non-empty (check_unsupported)
+    function_call: Any = None
 
 
 class StreamOptions(_Schema, kw_only=True):
@@ -83,6 +87,26 @@ class _SamplingFields(_Schema, kw_only=True):
     prompt_cache_key: str | None = None
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions Sluice does not serve: read only to refuse a non-neutral value (VLLM_EXTENSIONS)
+    min_tokens: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    stop_token_ids: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -96,10 +120,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
     audio: Any = None
     reasoning_effort: str | None = None
+    # vLLM's chat template extensions (VLLM_EXTENSIONS)
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -267,12 +296,39 @@ def stop_strings(stop: str | list[str] | None, max_stop_sequences: int) -> list[
     return [s for s in items if s]
 
 
+# vLLM's request extensions that change the answer, each with the values that leave it unchanged (its default and
+# the like): any other value is refused, naming the field (vLLM docs, "Extra parameters" of the OpenAI-compatible
+# server). Chat-only names are ignored on /v1/completions, whose Struct lacks them.
+VLLM_EXTENSIONS: dict[str, tuple[object, ...]] = {
+    "min_tokens": (None, 0), "min_p": (None, 0), "repetition_penalty": (None, 1), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "use_beam_search": (None, False),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,),
+}
+
+
+def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    # bool is an int: True must not pass for 1 (repetition_penalty) nor False for 0 (min_tokens)
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
 def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject features whose silent omission would change the answer.
 
     Raises:
         SluiceError: 400 naming the field.
     """
+    for name, neutral in VLLM_EXTENSIONS.items():
+        value = getattr(request, name, None)
+        if value is not None and not _is_neutral(value, neutral):
+            raise _invalid(f"{name} is not supported by this server (a vLLM extension; only "
+                           f"{' or '.join(msgspec.json.encode(n).decode() for n in neutral)})", name)
+    if request.response_format is not None and request.response_format.type != "text":
+        raise _invalid("only response_format {'type': 'text'} is supported", "response_format.type")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(request, name)
         if value not in (None, 0, 0.0):
@@ -290,8 +346,11 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
             raise _invalid("functions (function calling) are not supported by this server", "functions")
         if request.function_call not in (None, "none"):
             raise _invalid("function_call is not supported by this server (only \"none\")", "function_call")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise _invalid("only response_format {'type': 'text'} is supported", "response_format.type")
+        for i, message in enumerate(request.messages):
+            if message.tool_calls or message.function_call is not None:
+                field = "tool_calls" if message.tool_calls else "function_call"
+                raise _invalid("tool calls in the conversation are not supported by this server (no tools)",
+                               f"messages[{i}].{field}")
         if request.modalities is not None and set(request.modalities) - {"text"}:
             raise _invalid("only the text modality is supported by this server", "modalities")
         if request.audio is not None:

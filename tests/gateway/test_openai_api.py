@@ -78,6 +78,28 @@ _HI = '"model": "m", "messages": [{"role": "user", "content": "hi"}]'
     ('"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}', "modalities"),
     ('"audio": {"voice": "alloy", "format": "wav"}', "audio"),
     ('"reasoning_effort": "high"', "reasoning_effort"),
+    # vLLM's extensions that change the answer (it applies them; Sluice does not)
+    ('"min_tokens": 30', "min_tokens"),
+    ('"repetition_penalty": 2.0', "repetition_penalty"),
+    ('"repetition_penalty": true', "repetition_penalty"),
+    ('"stop_token_ids": [2]', "stop_token_ids"),
+    ('"guided_choice": ["yes", "no"]', "guided_choice"),
+    ('"guided_json": {"type": "object"}', "guided_json"),
+    ('"structured_outputs": {"regex": "a+"}', "structured_outputs"),
+    ('"include_stop_str_in_output": true', "include_stop_str_in_output"),
+    ('"skip_special_tokens": false', "skip_special_tokens"),
+    ('"continue_final_message": true', "continue_final_message"),
+    ('"add_generation_prompt": false', "add_generation_prompt"),
+    ('"chat_template": "{{ messages }}"', "chat_template"),
+    ('"chat_template_kwargs": {"enable_thinking": false}', "chat_template_kwargs"),
+    ('"prompt_logprobs": 1', "prompt_logprobs"),
+    ('"use_beam_search": true', "use_beam_search"),
+    # an earlier tool call in the history: its name and arguments have no place in this server's prompt
+    ('"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, "tool_calls": '
+     '[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, '
+     '{"role": "tool", "tool_call_id": "c1", "content": "42"}]', "messages[1].tool_calls"),
+    ('"messages": [{"role": "assistant", "content": null, "function_call": {"name": "f", "arguments": "{}"}}]',
+     "messages[0].function_call"),
 ])
 def test_fields_that_would_change_the_answer_are_400_not_ignored(extra, param):
     error = _chat_error(("{" + _HI + ", " + extra + "}").encode())
@@ -85,14 +107,22 @@ def test_fields_that_would_change_the_answer_are_400_not_ignored(extra, param):
 
 
 @pytest.mark.parametrize("extra", ['"logit_bias": {}', '"logit_bias": null', '"tool_choice": "none"',
-                                   '"function_call": "none"', '"modalities": ["text"]', '"tools": []'])
+                                   '"function_call": "none"', '"modalities": ["text"]', '"tools": []',
+                                   '"min_tokens": 0', '"repetition_penalty": 1.0', '"stop_token_ids": []',
+                                   '"skip_special_tokens": true', '"add_generation_prompt": true',
+                                   '"include_stop_str_in_output": false', '"guided_json": null',
+                                   '"chat_template_kwargs": {}', '"unknown_vendor_field": {"x": 1}',
+                                   '"messages": [{"role": "assistant", "content": "a", "tool_calls": []}]'])
 def test_harmless_spellings_of_those_fields_are_accepted(extra):
     request = decode_body(("{" + _HI + ", " + extra + "}").encode(), ChatCompletionRequest)
     openai_api.check_unsupported(request)
 
 
 @pytest.mark.parametrize("extra, param", [('"logprobs": -1', "logprobs"), ('"logprobs": 6', "logprobs"),
-                                          ('"logit_bias": {"50256": -100}', "logit_bias")])
+                                          ('"logit_bias": {"50256": -100}', "logit_bias"),
+                                          ('"response_format": {"type": "json_object"}', "response_format.type"),
+                                          ('"min_tokens": 5', "min_tokens"),
+                                          ('"guided_regex": "[0-9]+"', "guided_regex")])
 def test_completions_fields_that_would_change_the_answer_are_400(extra, param):
     with pytest.raises(SluiceError) as info:
         request = decode_body(('{"model": "m", "prompt": "hi", ' + extra + "}").encode(), CompletionRequest)

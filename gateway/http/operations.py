@@ -65,6 +65,10 @@ async def readyz(request: web.Request) -> web.Response:
         reasons = [reason for client in clients if (reason := client.not_ready_reason()) is not None]
         reasons += [f"pool {runtime.name}: {runtime.last_start_failure}" for runtime in fleet.runtimes.values()
                     if runtime.last_start_failure is not None]
+        # spawned local workers that do not listen yet (loading the model): not in the pool's clients until then
+        reasons += [f"local worker {lw.client.name} starting (loading the model, not listening yet)"
+                    for runtime in fleet.runtimes.values() for lw in runtime.local.values()
+                    if lw.client not in runtime.pool.clients]
         why = "; ".join(reasons) if reasons else "no worker configured"
         raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready yet: {why}", retry_after_s=1)
     body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}

@@ -15,7 +15,7 @@ def add_routes(app: web.Application, cors_allow_origins: tuple[str, ...] = ()) -
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/v1/models/{model:.+}", model)  # ids such as org/name hold a slash
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", healthz)  # vLLM's and TGI's path: a drop-in for their health checks
     app.router.add_get("/readyz", readyz)

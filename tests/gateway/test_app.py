@@ -138,6 +138,26 @@ async def test_no_worker_is_503_with_retry_after_and_not_ready(client):
     assert health.status == 200 and (await health.json()) == {"status": "ok"}
 
 
+async def test_readyz_names_a_local_worker_that_is_still_loading(tokenizer):
+    """A spawned local worker joins its pool once it listens (after loading the model: seconds, or a minute while
+    the CPU kernels build): until then ``/readyz`` says it is starting, not "no worker configured"."""
+    from gateway.fleet.pools import LocalWorker
+    from gateway.state import FLEET
+    from gateway.workers.client import WorkerClient
+
+    app = build_app(GatewayOptions(config=Config(), spawn_local_workers=False), tokenizer=tokenizer)
+    async with TestClient(TestServer(app)) as loading_client:
+        runtime = next(iter(app[FLEET].runtimes.values()))  # the fleet is built as the app starts
+        client = WorkerClient("unix:/tmp/sluice-test-not-listening.sock", "local-0")
+        runtime.local["w-1"] = LocalWorker(runtime.name, 0, "w-1", "/tmp/sluice-test-not-listening.sock", None,
+                                           client, 0.0)
+        response = await loading_client.get("/readyz")
+        error = _envelope(await response.read())
+    assert response.status == 503 and error["code"] == "no_worker_available"
+    assert "local worker local-0 starting (loading the model" in error["message"], error["message"]
+    assert "no worker configured" not in error["message"]
+
+
 async def test_models_status_metrics(client):
     status, _, _ = await _post(client, CHAT, {"model": MODEL, "messages": []})  # counted as a 400
     assert status == 400
@@ -151,6 +171,21 @@ async def test_models_status_metrics(client):
     assert metric_sample(text, "process_cpu_seconds_total") > 0
     assert metric_sample(text, "process_resident_memory_bytes") > 10_000_000
     assert "sluice_active_requests 0.0" in text
+
+
+async def test_a_model_id_with_a_slash_is_retrieved_by_its_id(tokenizer):
+    """Hugging Face style ids (``org/name``, as vLLM serves them) are listed and retrieved; an unknown one is a 404
+    ``model_not_found`` whatever its slashes."""
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config = with_overrides(Config(), model={"name": name})
+    app = build_app(GatewayOptions(config=config, spawn_local_workers=False), tokenizer=tokenizer)
+    async with TestClient(TestServer(app)) as slash_client:
+        models = await (await slash_client.get("/v1/models")).json()
+        card = await slash_client.get("/v1/models/" + name)
+        unknown = await slash_client.get("/v1/models/HuggingFaceTB/other")
+        assert [m["id"] for m in models["data"]] == [name]
+        assert card.status == 200 and (await card.json())["id"] == name
+        assert unknown.status == 404 and _envelope(await unknown.read())["code"] == "model_not_found"
 
 
 _json_values = st.recursive(

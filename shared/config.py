@@ -180,7 +180,8 @@ class RetentionSettings(_Section):
         ttl_scale: factor applied to every retention wish (request TTL bounded by its tier), 0–1.
         max_ttl_s: ceiling on any block's retention in seconds at this level.
         min_retained_tier_priority: blocks of tiers with a lower priority expire as soon as they are released
-            (retention only for the top tiers).
+            (retention only for the top tiers): evicted before any unexpired block and not offloaded, though a
+            prefix hit reuses them until their blocks are taken.
         min_cached_tier_priority: new requests of tiers with a lower priority do not enter the prefix cache at all
             (no-cache mode); their blocks go straight back to the free list.
     """

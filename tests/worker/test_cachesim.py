@@ -324,6 +324,10 @@ def test_cli_runs_on_a_synthetic_trace(tmp_path: Path, capsys: pytest.CaptureFix
     report = json.loads(out_json.read_text())
     assert report["trace"] == "synthetic:scan:num_sessions=40"
     assert report["num_requests"] >= 40 and report["runs"][0]["policies"]["lru"]["hit_rate"] > 0
+    # --max-requests cuts a generated trace as it cuts a file
+    assert sluice_main(["cachesim", "--synthetic", "scan:num_sessions=40", "--capacity-fractions", "0.25",
+                        "--policy", "lru", "--max-requests", "25", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["num_requests"] == 25
 
 
 def test_cli_wants_exactly_one_of_a_trace_and_synthetic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,15 +7,18 @@ output depends on its own row and weight row only, computed in a fixed order: a 
 its neighbours in the batch nor on the number of threads.
 
 The extension is compiled with :func:`torch.utils.cpp_extension.load` (g++, ninja, AVX2 + FMA) into
-``<cache_root>/cpu_kernels/<torch version>`` the first time a worker needs it (about a minute on a 2-core machine;
-``make install`` does it once ahead: ``python -m worker.cpu_kernels``), then loaded from there in about 0.1 s.
-:func:`load` returns None where the CPU lacks AVX2 or the build fails (the reason is logged once); the quantized
-layers then run their dense copy instead.
+``<cache_root>/cpu_kernels/<torch version>/<source key>`` the first time a worker needs it (about a minute on a
+2-core machine; ``make install`` does it once ahead: ``python -m worker.cpu_kernels``), then loaded from there in
+about 0.1 s. :func:`load` returns None where the CPU lacks AVX2 or the build fails (the reason is logged once); the
+quantized layers then run their dense copy instead. The source key hashes the sources' folder and contents: ninja's build
+file names the sources by absolute path, so two checkouts sharing one folder would each rebuild over the other's
+build at every start.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from types import ModuleType
@@ -36,10 +39,21 @@ def cpu_supports_kernels() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def source_key() -> str:
+    """Return 12 hex digits of a hash of the sources' folder and of every file in it (the build's inputs)."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.blake2b(folder.encode(), digest_size=6)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".cpp", ".h")):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
 def build_directory() -> str:
     from shared.model_files import cache_root
 
-    return os.path.join(cache_root(), "cpu_kernels", torch.__version__.replace("+", "-"))
+    return os.path.join(cache_root(), "cpu_kernels", torch.__version__.replace("+", "-"), source_key())
 
 
 @functools.cache
@@ -61,6 +75,9 @@ def load() -> ModuleType | None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     folder = build_directory()
     os.makedirs(folder, exist_ok=True)
+    if not os.path.exists(os.path.join(folder, "sluice_qgemm.so")):
+        log.info("cpu_kernels_building", build_directory=folder,
+                 note="first use from this checkout: about a minute on 2 cores (make install builds ahead)")
     try:
         return cpp_extension.load(
             name="sluice_qgemm", sources=SOURCES, build_directory=folder, verbose=False,

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("argument trace: give a trace file or --synthetic SHAPE (one of them)")
     if args.synthetic is not None:
         try:
-            requests = generate(parse_shape(args.synthetic), args.tier_mix)
+            requests = generate(parse_shape(args.synthetic), args.tier_mix)[:args.max_requests]
         except ValueError as exc:
             parser.error(f"argument --synthetic: {exc}")
         source = f"synthetic:{args.synthetic}"

@@ -12,6 +12,11 @@
    of lower tiers by higher ones: ``gateway.admission.preemption``). Prompts of the two runs differ (no
    prefix-cache carry-over).
 
+Between the two, unless ``--no-vip-alone-replay``: (a') the window's vip requests alone, at their arrival times,
+straight at ``llama-server`` (``vip_alone_measured``): what vip gets with no other tier on the engine at all, the
+measured bound on any scheduler in front of it (the computed schedules below assume decodes at the unloaded speed
+beside prefills, which a real engine does not give).
+
 Reports per tier: TTFT SLO attainment, goodput (answers within their tier's SLO per second of offered window),
 rejections and whether each carried ``Retry-After``, and the requests Sluice preempted (from its ``/status``).
 The SLOs follow the engine: before the replays the bench measures the engine's own unloaded TTFT
@@ -76,7 +81,7 @@ PLOT_DIR = REPO / "bench" / "results" / "engine_overload"
 
 def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], multiple: float) -> str:
     """Return the config of Sluice in front of ``llama_url``: default tier vip (the replay's header lowers it),
-    each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO, and vip's reserved share of the
+    each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO, vip's reserved share of the
     slots and KV sized to its offered load (:func:`vip_reserved_fraction`)."""
     lines = ['default_tier = "vip"', "", "[worker]", "num_local_workers = 0", "",
              "[model]", "max_model_len_tokens = 2048", "",
@@ -298,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=90.0, help="most seconds of arrivals per replay")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0)
     parser.add_argument("--start-s", type=float, default=0.0, help="trace time the window starts at")
+    parser.add_argument("--capacity-rps", type=float, default=None,
+                        help="take the engine's capacity as given (requests/s) instead of measuring it: two runs "
+                        "then replay the same window at the same rates")
+    parser.add_argument("--no-vip-alone-replay", dest="measure_vip_alone", action="store_false",
+                        help="skip replaying the vip requests alone straight at llama-server (the measured bound)")
     parser.add_argument("--output", default=str(RESULT_PATH))
     parser.add_argument("--gateway-dir", default="", help="keep the gateway's config and log in this folder")
     parser.add_argument("--plot-dir", default=str(PLOT_DIR), help="PNG plots of both replays ('' for none)")
@@ -311,8 +321,12 @@ def main(argv: list[str] | None = None) -> int:
                       ctx_per_slot=2048, extra_args=["--metrics", *args.engine_args.split()]) as llama_url:
         ttfts_s = asyncio.run(unloaded_ttft_s(llama_url, unscaled, builder, args.max_input_tokens,
                                               args.probe_requests))
-        capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,
-                                                     args.parallel, args.capacity_requests))
+        if args.capacity_rps:
+            capacity = {"requests_per_s": args.capacity_rps, "num_requests": 0, "concurrency": args.parallel,
+                        "elapsed_s": 0.0, "given": True}
+        else:
+            capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,
+                                                         args.parallel, args.capacity_requests))
         rate_scale = rate_scale_for(args.multiple, capacity["requests_per_s"], unscaled)
         requests = clip_outputs(prepare_requests("azure-conv", rate_scale, args.requests, args.duration_s,
                                                  TIER_MIX, seed=0, start_s=args.start_s), args.max_output_tokens)
@@ -345,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
             direct = replay_summary(llama_url, requests, builder, args.max_input_tokens, 1, args.drain_timeout_s,
                                     slo_ttft_s, factor_vip_slo_s, args.plot_dir, "direct",
                                     f"{window}, straight at it")
+            vip_alone_measured = None
+            if args.measure_vip_alone:
+                print(f"(a') only the vip requests, straight at llama-server (the engine was idle after "
+                      f"{asyncio.run(wait_engine_idle(llama_url)):.1f} s)")
+                vip_only = replay_summary(llama_url, [r for r in requests if r.tier == "vip"], builder,
+                                          args.max_input_tokens, 3, args.drain_timeout_s, slo_ttft_s,
+                                          factor_vip_slo_s)
+                vip_alone_measured = {**{k: vip_only["summary"]["tiers"]["vip"][k]
+                                         for k in ("count", "slo_met", "slo_attainment", "ttft_s")},
+                                      "at_factor_slo": vip_only["vip_attainment_at_factor_slo"]}
             idle_wait_s = asyncio.run(wait_engine_idle(llama_url))
             print(f"(b) through Sluice (the engine was idle after {idle_wait_s:.1f} s)")
             sluice = replay_summary(gateway.base_url, requests, builder, args.max_input_tokens, 2,
@@ -369,11 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"{MIN_SLO_TTFT_S['vip']:g} / {MIN_SLO_TTFT_S['standard']:g} s, rounded up to 0.1 s) unless given",
         "vip_slo_by_factor_alone_s": factor_vip_slo_s,
         "direct": direct, "sluice": sluice, "engine_idle_wait_before_sluice_s": round(idle_wait_s, 1),
-        "vip_alone_bound": bound, "vip_alone_with_slots": with_slots,
+        "vip_alone_bound": bound, "vip_alone_with_slots": with_slots, "vip_alone_measured": vip_alone_measured,
         "checks": {
             "vip_attainment_through_sluice": vip.get("slo_attainment"),
             "vip_attainment_bound_engine_alone": bound["slo_attainment"],
             "vip_attainment_vip_alone_with_slots": with_slots["slo_attainment"],
+            "vip_attainment_vip_alone_measured": (vip_alone_measured or {}).get("slo_attainment"),
             "vip_attainment_at_factor_slo_through_sluice": sluice["vip_attainment_at_factor_slo"],
             "vip_attainment_at_factor_slo_direct": direct["vip_attainment_at_factor_slo"],
             "vip_attainment_at_factor_slo_bound": bound["slo_attainment_at_factor_slo"],

@@ -136,6 +136,8 @@ class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
         max_model_len_tokens: context length in tokens.
         attention_backend: ``torch`` or ``cupy``.
         protocol_version: :data:`PROTOCOL_VERSION`.
+        weights: how the worker holds the weights: ``int4``, ``int8``, ``float32``, ``bfloat16``, ``sim`` (the
+            simulator); "" from a worker that does not say.
     """
 
     worker_id: str
@@ -149,6 +151,7 @@ class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
     max_model_len_tokens: int
     attention_backend: str = "torch"
     protocol_version: int = PROTOCOL_VERSION
+    weights: str = ""
 
 
 class Challenge(msgspec.Struct, tag=True, array_like=True, frozen=True):

@@ -107,7 +107,7 @@ def capture_decode_graphs(model, kv_cache, wc, max_model_len_tokens: int, pad_bl
 
 def _build_torch_runner(config: Config, backend: str):
     """Load the model on ``backend`` (``cpu`` or ``cuda``), allocate the KV pool and return
-    ``(ModelRunner, ModelSpec, num_blocks, device name, attention backend name, OffloadChain)``.
+    ``(ModelRunner, ModelSpec, num_blocks, device name, attention backend name, OffloadChain, weights mode)``.
 
     Raises:
         ConfigError: the model cannot be loaded as configured, or the KV pool holds fewer than 2 blocks.
@@ -163,7 +163,7 @@ def _build_torch_runner(config: Config, backend: str):
     offload = build_offload_chain(config.kv, runner.block_io, kv_model_id(config, model.weights_mode), dtype_name)
     atexit.register(offload.close)  # the disk tier's folder
     attention_name = getattr(model.attention, "name", type(model.attention).__name__)
-    return runner, spec, num_blocks, str(device), attention_name, offload
+    return runner, spec, num_blocks, str(device), attention_name, offload, model.weights_mode
 
 
 def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
@@ -187,6 +187,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         from worker.backends.sim import build_sim_runner
 
         runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
+        weights = "sim"
         offload = block_copier = None  # the simulator has no KV tensor to move
         log.warning("simulator_backend", worker_id=worker_id, model=config.model.name, device=device_name,
                     message=SIMULATOR_WARNING)
@@ -195,7 +196,7 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         # (the main one, here) makes libgomp count more threads than cores and throttle its spin-wait, and every
         # parallel region of the engine's steps then pays a futex wake-up (measured on 2 cores: 1 stream 31 ms a
         # step loaded on the main thread, 15 ms loaded on the engine thread).
-        runner, spec, num_blocks, device_name, attention_name, offload = executor.submit(
+        runner, spec, num_blocks, device_name, attention_name, offload, weights = executor.submit(
             _build_torch_runner, config, backend).result()
         block_copier = runner.block_io.copy_block_prefix
     max_model_len = min(config.model.max_model_len_tokens, spec.max_position_embeddings)
@@ -219,7 +220,9 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         max_num_seqs=wc.max_num_seqs,
         max_model_len_tokens=max_model_len,
         attention_backend=attention_name,
+        weights=weights,
     )
+
     def capacity() -> Capacity:
         stats = scheduler.stats()
         return Capacity(

@@ -556,6 +556,8 @@ def test_bc05_reset_stream_releases_the_request_and_the_gateway_serves_on(server
 def test_deep_readiness_has_every_worker_generate_a_token(server):
     status, body = get_json(server.base_url + "/readyz?deep=1", timeout_s=120)
     assert status == 200 and body["generated"] == [w["name"] for w in server.status()["workers"]], body
+    # /status says how each worker holds its weights (the default Q4_1 GGUF runs int4 on the CPU)
+    assert [w["hello"]["weights"] for w in server.status()["workers"]] == ["int4"]
 
 
 def test_metrics_after_traffic(server):

@@ -16,6 +16,7 @@ def test_the_reported_pressure_is_the_level_the_kv_manager_applies_from_the_conf
         pressure[level].update(enter_kv_used_fraction=0.0, leave_kv_used_fraction=0.0)
     config = msgspec.convert({"worker": {"backend": "sim"}, "pressure": pressure}, Config)
     server = build_worker(config, "w-test")
+    assert server.hello.weights == "sim"  # Hello says how the weights are held (/status)
     kv_manager = server.engine.scheduler.kv
     assert server.capacity_fn().pressure == "normal"  # no step has looked at the pool yet
     kv_manager.update_pressure()  # what every engine step does first

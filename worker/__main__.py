@@ -29,6 +29,7 @@ import structlog
 from shared.auth import is_loopback_listen, load_secret
 from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
 from shared.logs import configure_logging
+from shared.model_files import content_key
 from shared.protocol import Capacity, Hello
 
 log = structlog.get_logger("sluice.worker")
@@ -56,14 +57,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def kv_model_id(config: Config, weights_mode: str) -> str:
     """Return the name under which this worker's KV blocks are shared (the Redis tier's keys): the served model's
     name, the weights it runs (``int4`` / ``int8`` / a dtype: the same checkpoint quantized otherwise computes other
-    K/V) and which weights those are (a synthetic model's shape, else the checkpoint's file name and size in bytes:
-    two files served under one name are not mixed up), e.g. ``SmolLM2-135M-Instruct:int4:…Q4_1.gguf-99921344``."""
+    K/V) and which weights those are (a synthetic model's shape; a file's name and the first 16 hex digits of its
+    content hash, :func:`shared.model_files.content_key`, which loading it computed already; a folder's name and the
+    size in bytes of its safetensors files), so two checkpoints served under one name are not mixed up, e.g.
+    ``SmolLM2-135M-Instruct:int4:SmolLM2-135M-Instruct.Q4_1.gguf-<16 hex>``."""
     if config.model.synthetic:
         source = f"synthetic-{config.model.synthetic}"
     else:
         path = Path(resolve_model_path(config.model))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        source = f"{path.name}-{sum(f.stat().st_size for f in files if f.exists())}"
+        if path.is_dir():
+            source = f"{path.name}-{sum(f.stat().st_size for f in path.glob('*.safetensors'))}"
+        else:
+            source = f"{path.name}-{content_key(str(path))[:16]}"
     return f"{config.model.name}:{weights_mode or 'dense'}:{source}"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from shared.config import Config
@@ -31,9 +33,14 @@ def test_kv_blocks_are_shared_only_between_workers_of_the_same_weights(tmp_path)
     gguf.write_bytes(b"x" * 100)
     config = msgspec.convert({"model": {"name": "m", "path": str(gguf)}}, Config)
     int4, int8 = kv_model_id(config, "int4"), kv_model_id(config, "int8")
-    assert int4 == "m:int4:model.Q4_1.gguf-100" and int8 != int4
+    assert int4 == "m:int4:model.Q4_1.gguf-" + hashlib.sha256(b"x" * 100).hexdigest()[:16] and int8 != int4
     gguf.write_bytes(b"x" * 101)  # another file under the same name and path
     assert kv_model_id(config, "int4") != int4
+    other = tmp_path / "other" / "model.Q4_1.gguf"  # same name and size, other bytes
+    other.parent.mkdir()
+    other.write_bytes(b"y" * 100)
+    other_config = msgspec.convert({"model": {"name": "m", "path": str(other)}}, Config)
+    assert kv_model_id(other_config, "int4") == "m:int4:model.Q4_1.gguf-" + hashlib.sha256(b"y" * 100).hexdigest()[:16]
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"y" * 7)

@@ -204,3 +204,10 @@ def test_a_batch_input_line_nested_past_the_decoders_limit_names_the_line():
         parse_input_lines(good + b"\n" + deep + b"\n", max_lines=10)
     assert info.value.status == 400 and info.value.param == "file"
     assert "line 2" in info.value.message and "nested too deeply" in info.value.message
+
+
+def test_every_vllm_extension_refused_is_a_field_the_schemas_decode():
+    """``VLLM_EXTENSIONS`` names the fields ``check_unsupported`` reads; one the Structs lack would never be read
+    (msgspec drops unknown keys) and so never refused."""
+    fields = set(ChatCompletionRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__)
+    assert set(openai_api.VLLM_EXTENSIONS) <= fields

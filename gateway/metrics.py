@@ -11,10 +11,11 @@ import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.admission.stats import AdmissionStats
+from gateway.loop_metrics import LoopCounterFamily, LoopHistogramFamily, LoopMetricsCollector
 from gateway.workers.pool import WorkerStatus
 from shared.protocol import Capacity
 
@@ -35,6 +36,9 @@ _OWN_KV_SUFFIXES = frozenset({"usage", "blocks_used"})  # sluice_worker_kv_usage
 class Metrics:
     """All gateway metrics; one instance per app.
 
+    The per-request counters and histograms are loop-owned (:mod:`gateway.loop_metrics`: no lock, updated only on
+    the event loop's thread).
+
     Attributes (Prometheus names):
         requests: ``sluice_requests_total{endpoint,status}``.
         ttft: ``sluice_ttft_seconds`` time from request arrival to the first output token sent.
@@ -42,7 +46,8 @@ class Metrics:
         e2e_latency: ``sluice_e2e_latency_seconds`` request arrival to last byte.
         prompt_tokens, completion_tokens: ``sluice_prompt_tokens_total``, ``sluice_completion_tokens_total``.
         gateway_overhead: ``sluice_gateway_overhead_seconds`` = gateway TTFT − worker time to first token.
-        active_requests: ``sluice_active_requests`` requests being served now (``active_streams`` of the cases).
+        num_active_requests: ``sluice_active_requests`` requests being served now (``active_streams`` of the
+            cases), read at scrape time.
         unfinished_request_bodies: ``sluice_unfinished_request_bodies`` request bodies being received now (a
             slow-body attack shows here; ``gateway.max_unfinished_bodies`` bounds it).
         worker_kv_usage: ``sluice_worker_kv_usage{worker}`` used / total KV blocks.
@@ -75,19 +80,24 @@ class Metrics:
         self.num_active_requests = 0
         r = self.registry
         ProcessCollector(registry=r)
-        self.requests = Counter("sluice_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
-        self.ttft = Histogram("sluice_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.inter_token_latency = Histogram("sluice_inter_token_latency_seconds", "Gap between output tokens",
-                                             buckets=_ITL_BUCKETS_S, registry=r)
-        self.e2e_latency = Histogram("sluice_e2e_latency_seconds", "Request arrival to last byte",
-                                     buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens served", registry=r)
-        self.completion_tokens = Counter("sluice_completion_tokens", "Completion tokens served", registry=r)
-        self.gateway_overhead = Histogram("sluice_gateway_overhead_seconds",
-                                          "Gateway TTFT minus the worker's time to first token",
-                                          buckets=_OVERHEAD_BUCKETS_S, registry=r)
-        self.active_requests = Gauge("sluice_active_requests", "Requests being served", registry=r)
+        self.requests = LoopCounterFamily("sluice_requests", "HTTP requests by endpoint and status",
+                                          ["endpoint", "status"])
+        self.ttft = LoopHistogramFamily("sluice_ttft_seconds", "Time to first token", _LATENCY_BUCKETS_S)
+        self.inter_token_latency = LoopHistogramFamily("sluice_inter_token_latency_seconds",
+                                                       "Gap between output tokens", _ITL_BUCKETS_S)
+        self.e2e_latency = LoopHistogramFamily("sluice_e2e_latency_seconds", "Request arrival to last byte",
+                                               _LATENCY_BUCKETS_S)
+        self.prompt_tokens = LoopCounterFamily("sluice_prompt_tokens", "Prompt tokens served")
+        self.completion_tokens = LoopCounterFamily("sluice_completion_tokens", "Completion tokens served")
+        self.gateway_overhead = LoopHistogramFamily("sluice_gateway_overhead_seconds",
+                                                    "Gateway TTFT minus the worker's time to first token",
+                                                    _OVERHEAD_BUCKETS_S)
+        self.queue_time = LoopHistogramFamily("sluice_queue_time_seconds",
+                                              "Arrival to admission of admitted requests", _QUEUE_BUCKETS_S, ["tier"])
+        r.register(LoopMetricsCollector((self.requests, self.ttft, self.inter_token_latency, self.e2e_latency,
+                                         self.prompt_tokens, self.completion_tokens, self.gateway_overhead,
+                                         self.queue_time)))
+        r.register(_ActiveRequestsCollector(self))
         self.unfinished_request_bodies = Gauge("sluice_unfinished_request_bodies", "Request bodies being received",
                                                registry=r)
         self.worker_kv_usage = Gauge("sluice_worker_kv_usage", "Used / total KV blocks", ["worker"], registry=r)
@@ -97,8 +107,6 @@ class Metrics:
                                     ["worker"], registry=r)
         self.worker_waiting = Gauge("sluice_worker_requests_waiting", "Sequences waiting in the worker",
                                     ["worker"], registry=r)
-        self.queue_time = Histogram("sluice_queue_time_seconds", "Arrival to admission of admitted requests",
-                                    ["tier"], buckets=_QUEUE_BUCKETS_S, registry=r)
         self.jobs = Gauge("sluice_jobs", "Jobs in the job store by status", ["status"], registry=r)
         self.jobs_oldest_queued_age = Gauge("sluice_jobs_oldest_queued_age_seconds",
                                             "Wait of the oldest queued job", registry=r)
@@ -106,6 +114,7 @@ class Metrics:
         self.jobs_finished = Counter("sluice_jobs_finished", "Jobs this gateway's runner finished, by status",
                                      ["status"], registry=r)
         self._state_collector: StateCollector | None = None
+        self._worker_gauges: dict[str, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
 
     def attach_state(self, admission_stats: Callable[[], AdmissionStats],
                      worker_status: Callable[[], list[WorkerStatus]]) -> None:
@@ -115,22 +124,25 @@ class Metrics:
             self.registry.register(self._state_collector)
 
     def request_started(self) -> None:
-        """Count a request as active (``sluice_active_requests``)."""
+        """Count a request as active (``sluice_active_requests``, read at scrape time)."""
         self.num_active_requests += 1
-        self.active_requests.set(self.num_active_requests)
 
     def request_ended(self) -> None:
         """Count an active request as done."""
         self.num_active_requests -= 1
-        self.active_requests.set(self.num_active_requests)
 
     def observe_capacity(self, worker: str, capacity: Capacity) -> None:
         """Record a worker's capacity report."""
-        total = capacity.total_kv_blocks or 1
-        self.worker_kv_usage.labels(worker).set(capacity.used_kv_blocks / total)
-        self.worker_kv_blocks_used.labels(worker).set(capacity.used_kv_blocks)
-        self.worker_running.labels(worker).set(capacity.num_running)
-        self.worker_waiting.labels(worker).set(capacity.num_waiting)
+        gauges = self._worker_gauges.get(worker)
+        if gauges is None:  # a labels() lookup costs more than the set: once per worker
+            gauges = self._worker_gauges[worker] = (
+                self.worker_kv_usage.labels(worker), self.worker_kv_blocks_used.labels(worker),
+                self.worker_running.labels(worker), self.worker_waiting.labels(worker))
+        usage, blocks_used, running, waiting = gauges
+        usage.set(capacity.used_kv_blocks / (capacity.total_kv_blocks or 1))
+        blocks_used.set(capacity.used_kv_blocks)
+        running.set(capacity.num_running)
+        waiting.set(capacity.num_waiting)
 
     def observe_jobs(self, summary: JobsSummary) -> None:
         """Set the job gauges from the store's summary (a status the store does not count is left out)."""
@@ -166,6 +178,18 @@ def parse_kv_stat_key(key: str) -> tuple[str, dict[str, str]]:
         if sep and label.strip():
             labels[_metric_name(label)] = value.strip().strip('"')
     return _metric_name(match.group("name")), labels
+
+
+class _ActiveRequestsCollector:
+    """``sluice_active_requests``: :attr:`Metrics.num_active_requests` read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily("sluice_active_requests", "Requests being served")
+        gauge.add_metric([], self._metrics.num_active_requests)
+        yield gauge
 
 
 class StateCollector:

@@ -17,7 +17,10 @@ Policy (deliberate, documented in the README):
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -316,17 +319,27 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
+@functools.cache
+def _vllm_extension_fields(request_type: type) -> tuple[tuple[str, ...], Callable[[object], tuple[object, ...]]]:
+    """The :data:`VLLM_EXTENSIONS` fields of a request Struct and a getter of all their values at once."""
+    names = tuple(name for name in VLLM_EXTENSIONS if name in request_type.__struct_fields__)
+    getter = operator.attrgetter(*names)
+    return names, (getter if len(names) > 1 else lambda request: (getter(request),))
+
+
 def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject features whose silent omission would change the answer.
 
     Raises:
         SluiceError: 400 naming the field.
     """
-    for name, neutral in VLLM_EXTENSIONS.items():
-        value = getattr(request, name, None)
-        if value is not None and not _is_neutral(value, neutral):
-            raise _invalid(f"{name} is not supported by this server (a vLLM extension; only "
-                           f"{' or '.join(msgspec.json.encode(n).decode() for n in neutral)})", name)
+    names, read_all = _vllm_extension_fields(type(request))
+    if any(value is not None for value in read_all(request)):  # the common case, all absent: one C call
+        for name in names:
+            value, neutral = getattr(request, name), VLLM_EXTENSIONS[name]
+            if value is not None and not _is_neutral(value, neutral):
+                raise _invalid(f"{name} is not supported by this server (a vLLM extension; only "
+                               f"{' or '.join(msgspec.json.encode(n).decode() for n in neutral)})", name)
     if request.response_format is not None and request.response_format.type != "text":
         raise _invalid("only response_format {'type': 'text'} is supported", "response_format.type")
     for name in ("presence_penalty", "frequency_penalty"):

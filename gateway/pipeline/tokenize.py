@@ -97,18 +97,30 @@ class PromptTooLong(Exception):
         self.num_tokens_at_least = num_tokens_at_least
 
 
-def _max_token_bytes(backend: Any, byte_level: bool) -> int:
-    """Return the most bytes of input text that one token of ``backend`` stands for (its vocabulary and added
-    tokens): a text of B bytes has at least B ÷ this many tokens. Byte-level BPE spells each byte as one char;
-    other tokenizers are bounded by their pieces' UTF-8 length (``▁`` and ``<0xF0>`` stand for fewer bytes)."""
-    char_to_byte = _byte_level_char_to_byte()
+def _vocab_bytes(backend: Any, byte_level: bool, skipped_ids: frozenset[int]) -> tuple[list[bytes], int]:
+    """Return, from one pass over ``backend``'s vocabulary and added tokens, each token id's bytes as a byte-level
+    decoder produces them (:meth:`Tokenizer.byte_level_bytes`; ``skipped_ids`` give b"", ids the vocabulary skips
+    too) and the most bytes of input text that one token stands for: a text of B bytes has at least B ÷ that many
+    tokens. Byte-level BPE spells each byte as one char; other tokenizers are bounded by their pieces' UTF-8 length
+    (``▁`` and ``<0xF0>`` stand for fewer bytes)."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    pieces = [b""] * (max(vocab.values(), default=-1) + 1)
     longest = 1
-    for piece in backend.get_vocab(with_added_tokens=True):
-        if byte_level and all(ch in char_to_byte for ch in piece):
-            longest = max(longest, len(piece))
-        else:
-            longest = max(longest, len(piece.encode()))
-    return longest
+    for piece, token_id in vocab.items():
+        raw = _piece_bytes(piece) if byte_level else piece.encode()
+        longest = max(longest, len(raw))
+        if token_id not in skipped_ids:
+            pieces[token_id] = raw
+    return pieces, longest
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """Return the bytes of a byte-level BPE piece: each char mapped back to its byte, or, when one does not map (an
+    added token's text), the piece's UTF-8 encoding, as ``tokenizers``' ``ByteLevel`` decoder does."""
+    char_to_byte = _byte_level_char_to_byte()
+    if all(ch in char_to_byte for ch in piece):
+        return bytes(char_to_byte[ch] for ch in piece)
+    return piece.encode()
 
 
 # Bounds of the caches, in token ids held (about 40 bytes each with the key text): a few MB.
@@ -209,8 +221,8 @@ class Tokenizer:
         # the ids decode() skips (skip_special_tokens): added tokens marked special
         self._decode_skipped_ids = frozenset(i for i, t in added_tokens.items() if t.special)
         self.byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
-        self.max_token_bytes = _max_token_bytes(self.backend, self.byte_level)
-        self._piece_bytes: dict[int, bytes] = {}
+        # token id → its bytes (byte_level_bytes), built with the vocabulary's longest piece in one pass
+        self._piece_bytes, self.max_token_bytes = _vocab_bytes(self.backend, self.byte_level, self._decode_skipped_ids)
         self._splitter = _added_token_splitter(self.backend) if segment_cache_tokens > 0 else None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads),
                                                                thread_name_prefix="tokenizer")
@@ -346,28 +358,21 @@ class Tokenizer:
 
     def byte_level_bytes(self, token_ids: list[int]) -> bytes:
         """Return the bytes a byte-level decoder turns ``token_ids`` into before it decodes them as UTF-8 (special
-        tokens skipped, as :meth:`decode` does); each token's bytes are looked up once.
+        tokens skipped, as :meth:`decode` does), from the table of every token's bytes built at start.
 
         As ``tokenizers``' ``ByteLevel`` decoder: every char of the piece maps back to its byte, or, when one does
         not, the piece is taken as UTF-8 text whole. Only meaningful when :attr:`byte_level` is true.
         """
         table = self._piece_bytes
-        pieces = []
-        for token_id in token_ids:
-            piece = table.get(token_id)
-            if piece is None:
-                piece = table[token_id] = self._byte_level_piece(token_id)
-            pieces.append(piece)
-        return b"".join(pieces)
+        try:
+            return b"".join([table[token_id] for token_id in token_ids])
+        except IndexError:  # an id past the vocabulary (a model's padded embedding rows): its piece, if any
+            return b"".join(table[i] if 0 <= i < len(table) else self._byte_level_piece(i) for i in token_ids)
 
     def _byte_level_piece(self, token_id: int) -> bytes:
         if token_id in self._decode_skipped_ids:
             return b""
-        text = self.backend.id_to_token(token_id) or ""
-        char_to_byte = _byte_level_char_to_byte()
-        if all(ch in char_to_byte for ch in text):
-            return bytes(char_to_byte[ch] for ch in text)
-        return text.encode()
+        return _piece_bytes(self.backend.id_to_token(token_id) or "")
 
     def token_text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
         """Return one token as logprobs show it: its text and its bytes.

@@ -93,6 +93,14 @@ def test_byte_level_bytes_decoded_as_utf8_equal_decode(tokenizer):
         assert tokenizer.byte_level_bytes(token_ids).decode("utf-8", "replace") == tokenizer.decode(token_ids)
 
 
+def test_byte_level_bytes_of_an_id_past_the_vocabulary_is_empty(tokenizer):
+    """A model whose embedding has padded rows can sample an id the tokenizer lacks: it spells nothing (as
+    ``decode`` skips it) and the tokens around it keep their bytes."""
+    hello = tokenizer.encode_text_sync("Hello")
+    past = tokenizer.vocab_size + 7
+    assert tokenizer.byte_level_bytes([*hello, past, *hello]) == b"HelloHello"
+
+
 def test_decode_and_diff_path_streams_the_same_text(tokenizer):
     token_ids = tokenizer.encode_text_sync(MIXED_TEXT * 2) + tokenizer.eos_token_ids
     for step in (1, 2, 5):

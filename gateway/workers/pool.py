@@ -80,6 +80,7 @@ class _PromptHashes:
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
         self.prompt_token_ids = prompt_token_ids
         self._by_block_size: dict[int, list[int]] = {}
+        self._shareable_by_block_size: dict[int, Sequence[int]] = {}
 
     def full(self, block_size_tokens: int) -> list[int]:
         """Return the hashes of the prompt's full blocks (prefix-aware routing)."""
@@ -91,7 +92,11 @@ class _PromptHashes:
 
     def shareable(self, block_size_tokens: int) -> Sequence[int]:
         """Return the hashes of the blocks a worker can share with other requests (:func:`shareable_hashes`)."""
-        return shareable_hashes(self.full(block_size_tokens), len(self.prompt_token_ids), block_size_tokens)
+        hashes = self._shareable_by_block_size.get(block_size_tokens)
+        if hashes is None:  # asked once per worker per dispatch pass: computed once
+            hashes = self._shareable_by_block_size[block_size_tokens] = shareable_hashes(
+                self.full(block_size_tokens), len(self.prompt_token_ids), block_size_tokens)
+        return hashes
 
 
 class WorkerPool:

@@ -174,14 +174,21 @@ class WorkerPool:
             reserved_kv_fraction: the fraction of the pool's KV blocks that tiers above the request's keep for
                 themselves (admission's reserved shares, :meth:`OutputCapper.reserved_kv_fraction_above`).
         """
-        ready = [c for c in self.ready_clients() if c.hello is not None]
-        if not ready:
+        limit_tokens = configured_tokens
+        largest_pool_tokens = total_blocks = block_size = 0
+        for client in self.clients:  # one pass: asked twice per request (tokenize, caps)
+            hello = client.hello
+            if hello is None or not client.ready:
+                continue
+            blocks = client.total_kv_blocks
+            block_size = block_size or hello.block_size_tokens
+            limit_tokens = min(limit_tokens, hello.max_model_len_tokens)
+            largest_pool_tokens = max(largest_pool_tokens, blocks * hello.block_size_tokens)
+            total_blocks += blocks
+        if not block_size:
             return configured_tokens
-        block_size = ready[0].block_size_tokens
-        largest_pool_tokens = max(c.total_kv_blocks * c.block_size_tokens for c in ready)
-        unreserved_blocks = math.floor(sum(c.total_kv_blocks for c in ready) * (1.0 - reserved_kv_fraction) + 1e-9)
-        lengths = [c.hello.max_model_len_tokens for c in ready]
-        return min([configured_tokens, *lengths, largest_pool_tokens, unreserved_blocks * block_size])
+        unreserved_blocks = math.floor(total_blocks * (1.0 - reserved_kv_fraction) + 1e-9)
+        return min(limit_tokens, largest_pool_tokens, unreserved_blocks * block_size)
 
     def known_prefill_tokens_per_s(self) -> float:
         """Return the prefill rate, tokens/s, to assume for a worker that has measured none yet: the mean over

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 
 import msgspec
+import structlog
 from aiohttp import web
 
 from gateway.jobs.api import JOBS
 from gateway.jobs.models import JobsSummary
+from gateway.jobs.stores import STORE_UNAVAILABLE_ERRORS
 from gateway.fleet.deep_ready import CACHE_S
 from gateway.state import CONFIG, DEEP_READY, FLEET, GATEWAY_ID, METRICS, POOL, STARTED_AT, TIER_COUNTERS
 from shared.errors import ErrorCode, SluiceError
+
+log = structlog.get_logger("sluice.gateway")
 
 
 def _dumps(payload: object) -> str:
@@ -107,11 +111,19 @@ async def status(request: web.Request) -> web.Response:
     }, dumps=_dumps)
 
 
-async def _jobs_summary(app: web.Application) -> JobsSummary | None:
-    """Return the job store's summary (None when the app has no job store), and set the job gauges from it."""
+async def _jobs_summary(app: web.Application) -> JobsSummary | dict[str, str] | None:
+    """Return the job store's summary (None when the app has no job store), and set the job gauges from it.
+
+    A store that cannot be reached (its Redis down) gives ``{"store_unavailable": "<error>"}`` and leaves the job
+    gauges as they were: ``/status`` and ``/metrics`` keep answering through the outage they should show.
+    """
     if JOBS not in app:
         return None
-    summary = await app[JOBS].store.summary(time.time())
+    try:
+        summary = await app[JOBS].store.summary(time.time())
+    except STORE_UNAVAILABLE_ERRORS as exc:
+        log.warning("jobs_summary_unavailable", error=f"{type(exc).__name__}: {exc}")
+        return {"store_unavailable": f"{type(exc).__name__}: {exc}"}
     app[METRICS].observe_jobs(summary)
     return summary
 

@@ -43,9 +43,13 @@ class RedisJobQueue:
         for name, source in (("finish", FINISH_LUA), ("start", START_LUA), ("renew", RENEW_LUA),
                              ("requeue", REQUEUE_LUA)):
             self._scripts[name] = redis.register_script(source)
+        await self._create_groups()
+
+    async def _create_groups(self) -> None:
+        """Create the consumer group of every priority stream that has none (and the stream with it)."""
         for priority in range(MIN_PRIORITY, MAX_PRIORITY + 1):
             try:
-                await redis.xgroup_create(self._keys.queue_key(priority), GROUP, id="0", mkstream=True)
+                await self._keys.redis.xgroup_create(self._keys.queue_key(priority), GROUP, id="0", mkstream=True)
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -56,7 +60,21 @@ class RedisJobQueue:
 
     async def claim(self, runner_id: str, lease_s: float, now_s: float) -> Job | None:
         """See :meth:`JobStore.claim`: expired leases (``XAUTOCLAIM``, at most every ``lease_s / 4``), then
-        ``XREADGROUP`` over the priority streams, highest first."""
+        ``XREADGROUP`` over the priority streams, highest first.
+
+        A Redis that lost the streams' consumer groups (restarted without persistence, flushed) answers
+        ``NOGROUP``: the groups are created again and the claim is tried once more, so the store serves the jobs
+        submitted since instead of failing every claim until the gateway restarts.
+        """
+        try:
+            return await self._claim(runner_id, lease_s, now_s)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+        await self._create_groups()
+        return await self._claim(runner_id, lease_s, now_s)
+
+    async def _claim(self, runner_id: str, lease_s: float, now_s: float) -> Job | None:
         redis = self._keys.redis
         lease_ms = max(1, int(lease_s * 1000))
         if now_s >= self._next_autoclaim_s:

@@ -253,3 +253,16 @@ async def test_delete_job_deletes_only_finished_jobs(store):
     assert await store.delete_job(finished.id) is False
     jobs, _ = await store.list_jobs("alice", 10, None)
     assert [job.id for job in jobs] == [unfinished.id]
+
+
+async def test_redis_store_claims_again_after_redis_lost_its_keys(store):
+    """A Redis restarted without persistence (``make redis`` runs it so) or flushed has no consumer groups: the
+    store creates them again at the next claim instead of failing every claim with ``NOGROUP`` until the gateway
+    restarts (trial 4: a job queued forever)."""
+    if not isinstance(store, RedisJobStore):
+        pytest.skip("the Redis store's consumer groups")
+    await store.delete_all()  # what the restart leaves: no stream, no group
+    job = _job()
+    await store.add_jobs([job], 100)
+    claimed = await store.claim("r1", 30, time.time())
+    assert claimed is not None and claimed.id == job.id and claimed.status == RUNNING

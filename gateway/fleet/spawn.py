@@ -24,6 +24,9 @@ do: it exits when the gateway's end of its "alive" pipe closes, but multiprocess
 end, so the fork server lives as long as any of its workers.) On a clean exit the gateway stops each worker
 (SIGTERM, then SIGKILL), and forked workers are daemonic: the interpreter's exit terminates any left.
 
+Either way a worker runs in a process group of its own (:mod:`gateway.fleet.forkserver_group`): a signal to the
+gateway's group (Ctrl-C) reaches the gateway alone, which drains before it stops its workers.
+
 Both kinds of process are driven through :class:`WorkerProcess` (``pid``, ``returncode``, ``wait``, ``terminate``,
 ``kill``), the interface of ``asyncio.subprocess.Process``.
 """
@@ -47,6 +50,7 @@ PR_SET_PDEATHSIG = 1
 # Seconds a stopping worker gets between SIGTERM and SIGKILL.
 STOP_GRACE_S = 10.0
 START_METHODS = ("forkserver", "exec")
+FORKSERVER_GROUP_MODULE = "gateway.fleet.forkserver_group"  # imported by the fork server only
 # What every worker imports (worker/__main__.py and what build_worker imports for any backend).
 PRELOAD_WORKER = ("worker.__main__", "worker.engine", "worker.kv_cache.manager", "worker.scheduler",
                   "worker.server", "worker.backends.sim", "uvloop")
@@ -59,6 +63,13 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_exec_worker() -> None:
+    """The ``preexec_fn`` of an exec'd worker: die with the gateway (:func:`die_with_parent`), in a process group of
+    its own, outside the gateway's (:mod:`gateway.fleet.forkserver_group` says why)."""
+    die_with_parent()
+    os.setpgrp()
 
 
 def preload_modules(backends: Iterable[str]) -> list[str]:
@@ -203,7 +214,8 @@ class WorkerSpawner:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-spawn")
             if self._context is not None:
-                self._context.set_forkserver_preload(self._preload)
+                # first: the fork server leaves the gateway's process group before it forks any worker
+                self._context.set_forkserver_preload([FORKSERVER_GROUP_MODULE, *self._preload])
         return self._executor
 
     def warm_up(self) -> None:
@@ -219,7 +231,7 @@ class WorkerSpawner:
         """
         if self._context is None:
             return await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sluice.cli", "worker", *argv, env=env, preexec_fn=die_with_parent)
+                sys.executable, "-m", "sluice.cli", "worker", *argv, env=env, preexec_fn=start_exec_worker)
         loop = asyncio.get_running_loop()
         executor = self._ensure_executor()
 

@@ -730,6 +730,30 @@ async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overl
     assert worker_pids and not [pid for pid in worker_pids if _alive(pid)]
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "exec"])
+async def test_a_signal_to_the_gateway_process_group_drains_before_the_workers_stop(tmp_path, http, start_method):
+    """Ctrl-C in a terminal, or ``kill -TERM -- -<pgid>``, signals the gateway's whole process group: its local
+    workers are in groups of their own, so the gateway drains and the stream in flight ends whole (README trial 4:
+    the worker stopped at once and the stream got 502 ``worker_failed``)."""
+    config = OVERLOAD_CONFIG.replace("drain_timeout_s = 10.0",
+                                     f'drain_timeout_s = 10.0\nworker_start_method = "{start_method}"')
+    gateway = _start_gateway(tmp_path, config)
+    try:
+        _wait_ready(gateway)
+        first_byte = asyncio.Event()
+        running = asyncio.create_task(post(http, gateway.base_url, _chat(max_tokens=15, stream=True),
+                                           on_first_byte=first_byte))
+        await asyncio.wait_for(first_byte.wait(), 10)
+        os.killpg(os.getpgid(gateway.process.pid), signal.SIGTERM)
+        done = await running
+        events = done.events()
+        assert done.status == 200 and events[-1] == b"[DONE]", done.body[-300:]
+        assert b'"finish_reason":"length"' in b"".join(events)
+        assert await asyncio.to_thread(gateway.process.wait, 30) == 0
+    finally:
+        _stop_gateway(gateway)
+
+
 # ---------------------------------------------------------------------------------------------- worker health
 
 

@@ -64,6 +64,7 @@ class Metrics:
     Read at scrape time (:class:`StateCollector`, once :meth:`attach_state` is called):
     ``sluice_pressure_level`` (0 normal, 1 elevated, 2 critical), ``sluice_queue_depth{tier}``,
     ``sluice_queue_oldest_wait_seconds{tier}``, ``sluice_admitted_total{tier}``, ``sluice_rejected_total{tier,reason}``,
+    ``sluice_deferred_total{tier,reason}`` (shed, then served as an async job: not in ``sluice_rejected_total``),
     ``sluice_cancelled_total{tier}`` (left the queue: client gone), ``sluice_preempted_total{tier}`` (stopped for a
     higher tier on an upstream engine, to resume), ``sluice_drain_rate_tokens_per_second``,
     ``sluice_breaker_state{worker,backend}`` (0 closed, 1 half-open, 2 open), ``sluice_worker_ready{worker,backend}``,
@@ -225,6 +226,8 @@ class StateCollector:
         admitted = CounterMetricFamily("sluice_admitted", "Requests (choices) admitted to a worker", labels=["tier"])
         rejected = CounterMetricFamily("sluice_rejected", "Requests rejected or shed, by reason",
                                        labels=["tier", "reason"])
+        deferred = CounterMetricFamily("sluice_deferred", "Requests shed and served as an async job instead (202)",
+                                       labels=["tier", "reason"])
         cancelled = CounterMetricFamily("sluice_cancelled", "Queued requests whose client left", labels=["tier"])
         preempted = CounterMetricFamily("sluice_preempted", "Running requests stopped for a higher tier, to resume",
                                         labels=["tier"])
@@ -236,7 +239,9 @@ class StateCollector:
             preempted.add_metric([tier], tier_stats.preempted)
             for reason, count in tier_stats.rejected.items():
                 rejected.add_metric([tier, reason], count)
-        yield from (depth, oldest, admitted, rejected, cancelled, preempted)
+            for reason, count in tier_stats.deferred.items():
+                deferred.add_metric([tier, reason], count)
+        yield from (depth, oldest, admitted, rejected, deferred, cancelled, preempted)
 
     def _worker_metrics(self, workers: list[WorkerStatus]) -> Iterable[Metric]:
         ready = GaugeMetricFamily("sluice_worker_ready", "1 when the worker is connected and ready",

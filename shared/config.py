@@ -409,6 +409,9 @@ class PressureLevelConfig(_Section):
         max_tokens_by_tier: tier name → output-token cap at this level.
         queue_timeout_s_by_tier: tier name → queue-wait deadline in seconds at this level.
         shed_tiers: tiers rejected at arrival (503 ``server_overloaded``) at this level.
+
+    In a config file a level's table may leave out any key: it keeps that level's default
+    (:func:`with_pressure_level_defaults`).
     """
 
     enter_queue_wait_s: NonNegativeFloat
@@ -446,6 +449,23 @@ class PressureConfig(_Section):
         queue_timeout_s_by_tier={"standard": 10.0, "free": 5.0},
         shed_tiers=["batch"],
     )
+
+
+def with_pressure_level_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """Return the raw config with each ``[pressure.elevated]`` / ``[pressure.critical]`` table's missing keys taken
+    from that level's defaults (``docs/config.md``), so a table that sets only what it changes (``shed_tiers``, one
+    threshold) is valid and means what the reference says, as every other key of the config is optional. The
+    fields' own defaults (no caps, no deadlines, no shed tiers, and no thresholds at all) are not a level's."""
+    pressure = raw.get("pressure")
+    if not isinstance(pressure, dict):
+        return raw
+    defaults = msgspec.to_builtins(PressureConfig())
+    filled = dict(pressure)
+    for level in ("elevated", "critical"):
+        table = pressure.get(level)
+        if isinstance(table, dict):
+            filled[level] = {**defaults[level], **table}
+    return {**raw, "pressure": filled}
 
 
 class BreakerConfig(_Section):
@@ -990,7 +1010,7 @@ def _convert(raw: dict[str, Any], source: str, file: Path | None = None) -> Conf
     """Decode ``raw`` into a :class:`Config`; on failure raise a ConfigError that names ``source`` (with the line
     when ``raw`` is ``file``'s), the key, and the nearest valid key for an unknown one."""
     try:
-        return msgspec.convert(raw, Config)
+        return msgspec.convert(with_pressure_level_defaults(raw), Config)
     except msgspec.ValidationError as exc:
         message = str(exc)
         line = None
@@ -1040,7 +1060,8 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     raw = _read_config_file(path, explicit)
     overrides = _env_overrides(environ)
     try:
-        return _with_state_paths(msgspec.convert(_apply_overrides(raw, overrides), Config), path)
+        return _with_state_paths(
+            msgspec.convert(with_pressure_level_defaults(_apply_overrides(raw, overrides)), Config), path)
     except msgspec.ValidationError as exc:
         merged_error = exc
     # Find whom to blame: the file alone, else the first override that fails on the file alone.

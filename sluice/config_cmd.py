@@ -9,6 +9,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sluice config: {exc}", file=sys.stderr)
         return 1
     pools = "; ".join(_pool_summary(pool) for pool in effective_pools(config))
-    print(f"config ok: gateway {config.gateway.host}:{config.gateway.port}; pools: {pools}")
+    print(f"config ok ({_source(args.config)}): gateway {config.gateway.host}:{config.gateway.port}; pools: {pools}")
     return 0
 
 
@@ -75,3 +76,9 @@ def _pool_summary(pool: PoolConfig) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _source(path: str | None) -> str:
+    """Name what ``load_config(path)`` read: the file, or the defaults when there is none."""
+    chosen = path or os.environ.get("SLUICE_CONFIG") or "config.toml"
+    return chosen if path or os.path.exists(chosen) else "no config.toml here: the defaults"

@@ -327,6 +327,16 @@ class AdmissionController(Generic[ReservationT]):
         self._view.release(reservation)
         self._dispatcher.dispatch()
 
+    def count_deferred(self, tier: str, code: ErrorCode) -> None:
+        """Count a request of ``tier`` shed with ``code`` that was deferred to an async job (202) as deferred, not
+        rejected: its client got a job, not a 503 (``/status`` ``deferred``, ``sluice_deferred_total``)."""
+        queue = self._queues[tier]
+        if queue.num_rejected[code.value] > 0:
+            queue.num_rejected[code.value] -= 1
+            if not queue.num_rejected[code.value]:
+                del queue.num_rejected[code.value]
+        queue.num_deferred[code.value] += 1
+
     def worker_start_deadline_s(self, ticket: Ticket[ReservationT], allowance_s: float) -> float:
         """Return the ``time.time()`` by which the worker must start the admitted ticket's request, else drop it
         unstarted (``Generate.deadline_s``): the ticket's queue deadline, or ``allowance_s`` from now when later

@@ -23,6 +23,7 @@ class TierStats(msgspec.Struct):
         dispatch_rate_per_s: requests of the tier dispatched per second over the rate window.
         preempted: its running requests stopped for a higher tier's, to resume later
             (:mod:`gateway.admission.preemption`).
+        deferred: requests shed and served as an async job instead (202), by shed code; not in ``rejected``.
     """
 
     priority: int
@@ -37,6 +38,7 @@ class TierStats(msgspec.Struct):
     predicted_wait_s: float | None
     dispatch_rate_per_s: float
     preempted: int = 0
+    deferred: dict[str, int] = {}
 
 
 class AdmissionStats(msgspec.Struct, omit_defaults=True):
@@ -84,6 +86,7 @@ def tier_stats(queue: TierQueue, now_s: float, predicted_wait_s: float | None,
         in_flight_kv_blocks=queue.in_flight_blocks,
         admitted=queue.num_admitted,
         rejected=dict(queue.num_rejected),
+        deferred=dict(queue.num_deferred),
         cancelled=queue.num_cancelled,
         predicted_wait_s=None if predicted_wait_s is None else round(predicted_wait_s, 3),
         dispatch_rate_per_s=round(dispatch_rate_per_s, 3),
@@ -102,7 +105,7 @@ def merge_admission_stats(stats_by_pool: dict[str, AdmissionStats], default_pool
     merged = stats_by_pool[default_pool]
     if len(stats_by_pool) == 1:
         return merged
-    tiers = {name: msgspec.structs.replace(stats, rejected=dict(stats.rejected))
+    tiers = {name: msgspec.structs.replace(stats, rejected=dict(stats.rejected), deferred=dict(stats.deferred))
              for name, stats in merged.tiers.items()}
     drain_rate = merged.drain_rate_tokens_per_s
     pressure = merged.pressure
@@ -123,5 +126,7 @@ def merge_admission_stats(stats_by_pool: dict[str, AdmissionStats], default_pool
             into.oldest_wait_s = max(into.oldest_wait_s, other.oldest_wait_s)
             for reason, count in other.rejected.items():
                 into.rejected[reason] = into.rejected.get(reason, 0) + count
+            for reason, count in other.deferred.items():
+                into.deferred[reason] = into.deferred.get(reason, 0) + count
     return msgspec.structs.replace(merged, drain_rate_tokens_per_s=drain_rate, pressure=pressure, tiers=tiers,
                                    pools=dict(stats_by_pool))

@@ -106,6 +106,7 @@ class TierQueue:
         self.in_flight_blocks = 0
         self.num_admitted = 0
         self.num_rejected: Counter[str] = Counter()
+        self.num_deferred: Counter[str] = Counter()  # shed, then served as an async job instead (by shed code)
         self.num_cancelled = 0
         self.dispatch_times_s: deque[float] = deque()
 

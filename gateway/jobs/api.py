@@ -183,9 +183,13 @@ def validate_request_body(config: Config, kind: str, body: dict[str, Any], serve
 
 
 def too_many_jobs(exc: TooManyJobsError, adding: int) -> SluiceError:
+    """The 429 of a key at ``jobs.max_jobs_per_key``; a batch larger than the limit itself is told that waiting
+    cannot help."""
+    advice = ("Wait for some to finish." if adding <= exc.limit else
+              f"A batch of {adding} lines can never fit: split it, or raise jobs.max_jobs_per_key.")
     return SluiceError(ErrorCode.RATE_LIMIT_EXCEEDED,
                        f"This API key has {exc.num_active} unfinished jobs; adding {adding} would pass the limit of "
-                       f"{exc.limit} (jobs.max_jobs_per_key). Wait for some to finish.")
+                       f"{exc.limit} (jobs.max_jobs_per_key). {advice}")
 
 
 async def _owned_job(request: web.Request) -> Job:

@@ -233,8 +233,15 @@ def _sync(server: Server, key: str | None, max_tokens: int, headers: dict[str, s
     return server.post("/v1/chat/completions", chat_body("Describe the sea.", max_tokens), key, headers)
 
 
+def _shed_counts(server: Server) -> dict[str, tuple[int, int]]:
+    """Tier → (rejected, deferred) requests so far, every code together (``/status``)."""
+    tiers = server.status()["admission"]["tiers"]
+    return {name: (sum(t["rejected"].values()), sum(t["deferred"].values())) for name, t in tiers.items()}
+
+
 def test_deferral_returns_202_where_a_503_would_have_been(server):
     _wait(lambda: _worker_running(server) == 0, 30, "worker busy before the test")
+    before = _shed_counts(server)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         # fill the worker (2 sequences), then the one-slot standard and vip queues
         fillers = [pool.submit(_sync, server, None, 24) for _ in range(2)]
@@ -254,10 +261,16 @@ def test_deferral_returns_202_where_a_503_would_have_been(server):
         assert server.get(f"/v1/jobs/{deferred['id']}", None)[1]["status"] == "queued"  # no room while loaded
         for future in fillers:
             assert future.result()[0] == 200
-        for future in (queued_standard, queued_vip):  # queued behind the fillers: served, or shed by its deadline
-            status, _, body = future.result()
+        late_503s = {}
+        for tier, future in (("standard", queued_standard), ("vip", queued_vip)):  # queued behind the fillers:
+            status, _, body = future.result()  # served, or shed by its deadline
             assert status == 200 or (status == 503 and body["error"]["code"] in ("queue_timeout",
                                                                                   "predicted_queue_timeout"))
+            late_503s[tier] = int(status == 503)
+    # a deferred request is counted as deferred, not as rejected: rejected counts the 503s answered (trial 4)
+    after = _shed_counts(server)
+    assert after["standard"] == (before["standard"][0] + 1 + late_503s["standard"], before["standard"][1] + 1)
+    assert after["vip"] == (before["vip"][0] + late_503s["vip"], before["vip"][1] + 1)
     answer = server.wait_job(deferred["id"], None, {"succeeded", "failed"}, timeout_s=60)
     assert answer["status"] == "succeeded" and answer["result"]["object"] == "chat.completion"
     assert server.wait_job(vip_deferred["id"], VIP_KEY, {"succeeded"}, timeout_s=60)["result"]["choices"]

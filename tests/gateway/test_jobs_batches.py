@@ -250,3 +250,12 @@ def test_cancel_batch_in_progress_ends_cancelled_with_every_line_accounted(serve
     errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert len(errors) == counts.failed and all(row["error"]["code"] == "batch_cancelled" for row in errors)
     assert client.batches.cancel(batch.id).status == "cancelled"  # a final batch is returned unchanged
+
+
+def test_a_batch_larger_than_the_job_limit_is_told_that_waiting_cannot_help():
+    from gateway.jobs.api import too_many_jobs
+    from gateway.jobs.store import TooManyJobsError
+
+    assert too_many_jobs(TooManyJobsError(1, 2), 2).message.endswith("Wait for some to finish.")
+    never = too_many_jobs(TooManyJobsError(0, 2), 3)
+    assert never.status == 429 and "can never fit" in never.message and "Wait" not in never.message

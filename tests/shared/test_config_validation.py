@@ -285,3 +285,21 @@ def test_a_misspelt_policy_fails_at_load_naming_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, text), environ={})
     assert key in str(info.value) and "config.toml:2" in str(info.value)
+
+
+def test_a_pressure_level_table_may_leave_out_thresholds(tmp_path):
+    """Every key is optional (README, Configuration): a ``[pressure.critical]`` table that sets only what it changes
+    keeps the level's defaults for the rest (README trial 4: ``missing required field enter_kv_used_fraction``)."""
+    path = tmp_path / "config.toml"
+    path.write_text('[pressure.critical]\nenter_queue_wait_s = 6.0\nleave_queue_wait_s = 3.0\n'
+                    'shed_tiers = ["free", "batch"]\n')
+    critical = load_config(path, environ={}).pressure.critical
+    default = Config().pressure.critical
+    assert (critical.enter_queue_wait_s, critical.leave_queue_wait_s) == (6.0, 3.0)
+    assert (critical.enter_kv_used_fraction, critical.leave_kv_used_fraction) == (
+        default.enter_kv_used_fraction, default.leave_kv_used_fraction)
+    assert critical.shed_tiers == ["free", "batch"]
+    assert critical.max_tokens_by_tier == default.max_tokens_by_tier  # the level's, not the field's empty default
+    elevated = load_config(path, environ={"SLUICE_PRESSURE__ELEVATED__ENTER_QUEUE_WAIT_S": "3.5"}).pressure.elevated
+    assert elevated.enter_queue_wait_s == 3.5
+    assert elevated.enter_kv_used_fraction == Config().pressure.elevated.enter_kv_used_fraction

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
+
+SeriesT = TypeVar("SeriesT")
 
 
 class LoopHistogram:
@@ -64,7 +67,37 @@ class LoopCounter:
         self.value += amount
 
 
-class LoopHistogramFamily:
+class _LoopFamily(Generic[SeriesT]):
+    """A metric's series by label values (one, without labels), made by ``new_series`` on first use.
+
+    Args:
+        name: the metric name.
+        documentation: its help text.
+        labelnames: label names; none = a single series, used through the subclass's update method.
+        new_series: makes an empty series.
+    """
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 new_series: Callable[[], SeriesT]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._new_series = new_series
+        self._series: dict[tuple[str, ...], SeriesT] = {}
+        if not self.labelnames:
+            self._single = self._series[()] = new_series()
+
+    def labels(self, *values: str) -> SeriesT:
+        """Return the series of these label values (made on first use)."""
+        series = self._series.get(values)
+        if series is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            series = self._series[values] = self._new_series()
+        return series
+
+
+class LoopHistogramFamily(_LoopFamily[LoopHistogram]):
     """A histogram metric: one :class:`LoopHistogram` per label values (or one, without labels).
 
     Args:
@@ -76,22 +109,8 @@ class LoopHistogramFamily:
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float],
                  labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.documentation = documentation
         self.buckets = tuple(buckets)
-        self.labelnames = tuple(labelnames)
-        self._series: dict[tuple[str, ...], LoopHistogram] = {}
-        if not self.labelnames:
-            self._single = self._series[()] = LoopHistogram(self.buckets)
-
-    def labels(self, *values: str) -> LoopHistogram:
-        """Return the series of these label values (made on first use)."""
-        series = self._series.get(values)
-        if series is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            series = self._series[values] = LoopHistogram(self.buckets)
-        return series
+        super().__init__(name, documentation, labelnames, lambda: LoopHistogram(self.buckets))
 
     def observe(self, value: float) -> None:
         """Observe on the single series of a family without labels."""
@@ -104,7 +123,7 @@ class LoopHistogramFamily:
         return family
 
 
-class LoopCounterFamily:
+class LoopCounterFamily(_LoopFamily[LoopCounter]):
     """A counter metric: one :class:`LoopCounter` per label values (or one, without labels).
 
     Args:
@@ -114,21 +133,7 @@ class LoopCounterFamily:
     """
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self._series: dict[tuple[str, ...], LoopCounter] = {}
-        if not self.labelnames:
-            self._single = self._series[()] = LoopCounter()
-
-    def labels(self, *values: str) -> LoopCounter:
-        """Return the series of these label values (made on first use)."""
-        series = self._series.get(values)
-        if series is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            series = self._series[values] = LoopCounter()
-        return series
+        super().__init__(name, documentation, labelnames, LoopCounter)
 
     def inc(self, amount: float = 1.0) -> None:
         """Add to the single series of a family without labels."""

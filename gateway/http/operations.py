@@ -122,8 +122,9 @@ async def _jobs_summary(app: web.Application) -> JobsSummary | dict[str, str] | 
     try:
         summary = await app[JOBS].store.summary(time.time())
     except STORE_UNAVAILABLE_ERRORS as exc:
-        log.warning("jobs_summary_unavailable", error=f"{type(exc).__name__}: {exc}")
-        return {"store_unavailable": f"{type(exc).__name__}: {exc}"}
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("jobs_summary_unavailable", error=error)
+        return {"store_unavailable": error}
     app[METRICS].observe_jobs(summary)
     return summary
 

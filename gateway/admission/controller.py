@@ -148,12 +148,12 @@ class AdmissionController(Generic[ReservationT]):
         self._waits = WaitEstimator(config, self._queues, self._in_flight, self.rates, self._order, view,
                                     self.pressure, clock, self.preemption.enabled)
         self._dispatcher = Dispatcher(self._enabled, self._queues, self._in_flight, self.rates, self._waits,
-                                      self._order, view, clock, lambda now_s: self._shedder.shed_expired(now_s),
+                                      self._order, view, clock, lambda now_s: self.shedder.shed_expired(now_s),
                                       self.preemption)
         self._arrival = ArrivalChecks(config, self._queues, self._waits, self.pressure, view,
                                       lambda tier: self.queued_elsewhere(tier))
-        self._shedder = Shedder(self._queues, self._waits, self._arrival, self.pressure, view,
-                                self._dispatcher.dispatch, clock)
+        self.shedder = Shedder(self._queues, self._waits, self._arrival, self.pressure, view,
+                               self._dispatcher.dispatch, clock)
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first admit
         # tier name → requests of that tier queued on the other gateways (``gateway.admission.tier_counters``),
@@ -289,7 +289,7 @@ class AdmissionController(Generic[ReservationT]):
             self._dispatcher.dispatch()
             if (ticket.state is TicketState.QUEUED and self._enabled and self._admission.early_rejection
                     and not resuming):
-                self._shedder.check_predicted_wait(ticket, queue, timeout_s)
+                self.shedder.check_predicted_wait(ticket, queue, timeout_s)
         except SluiceError:
             await self._limiter.refund(ticket.rate_limit_key, len(ticket.prompt_token_ids) + ticket.max_tokens)
             raise
@@ -297,7 +297,7 @@ class AdmissionController(Generic[ReservationT]):
             while not future.done():
                 remaining_s = ticket.deadline_s - self._clock()
                 if remaining_s <= 0:
-                    self._shedder.shed_timed_out(ticket)
+                    self.shedder.shed_timed_out(ticket)
                     break
                 await asyncio.wait((future,), timeout=None if math.isinf(remaining_s) else remaining_s)
         except asyncio.CancelledError:
@@ -327,16 +327,6 @@ class AdmissionController(Generic[ReservationT]):
         self._view.release(reservation)
         self._dispatcher.dispatch()
 
-    def count_deferred(self, tier: str, code: ErrorCode) -> None:
-        """Count a request of ``tier`` shed with ``code`` that was deferred to an async job (202) as deferred, not
-        rejected: its client got a job, not a 503 (``/status`` ``deferred``, ``sluice_deferred_total``)."""
-        queue = self._queues[tier]
-        if queue.num_rejected[code.value] > 0:
-            queue.num_rejected[code.value] -= 1
-            if not queue.num_rejected[code.value]:
-                del queue.num_rejected[code.value]
-        queue.num_deferred[code.value] += 1
-
     def worker_start_deadline_s(self, ticket: Ticket[ReservationT], allowance_s: float) -> float:
         """Return the ``time.time()`` by which the worker must start the admitted ticket's request, else drop it
         unstarted (``Generate.deadline_s``): the ticket's queue deadline, or ``allowance_s`` from now when later
@@ -353,7 +343,7 @@ class AdmissionController(Generic[ReservationT]):
     def shed_at_worker(self, ticket: Ticket[ReservationT], message: str) -> SluiceError:
         """The worker dropped the ticket's request unstarted at its start deadline: count a ``queue_timeout`` of
         its tier and return the 503 to answer (:meth:`Shedder.shed_at_worker`)."""
-        return self._shedder.shed_at_worker(ticket, message)
+        return self.shedder.shed_at_worker(ticket, message)
 
     def on_capacity_changed(self) -> None:
         """Re-run dispatch (and shed expired tickets): call when a worker reports capacity or a request ends."""
@@ -368,7 +358,7 @@ class AdmissionController(Generic[ReservationT]):
     def start_draining(self) -> None:
         """Stop admitting: shed queued tickets and reject new ones with 503 ``server_draining`` (SIGTERM)."""
         self._draining = True
-        self._shedder.shed_all(ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
+        self.shedder.shed_all(ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
 
     # ----------------------------------------------------------------------------------------------- estimates
 
@@ -439,7 +429,7 @@ class AdmissionController(Generic[ReservationT]):
     def _observe_pressure(self) -> None:
         """Feed the pressure monitor (``Shedder.observe_pressure``); a no-op with admission off."""
         if self._enabled:
-            self._shedder.observe_pressure(self._pressure_tier)
+            self.shedder.observe_pressure(self._pressure_tier)
 
 
 def pressure_signal_tier(tiers: Sequence[TierConfig], pressure: PressureMonitor) -> TierConfig:

@@ -7,6 +7,7 @@ waiter with a :class:`~shared.errors.SluiceError` whose ``retry_after_s`` is cla
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,13 @@ class Shedder:
         for queue in self._queues.values():
             for ticket in list(queue.tickets.values()):
                 self.shed(ticket, code, message)
+
+    def count_deferred(self, tier: str, code: ErrorCode) -> None:
+        """Count a request of ``tier`` shed with ``code`` whose client got an async job instead (202) as deferred,
+        not rejected (``/status`` ``deferred``, ``sluice_deferred_total``): the shed counted it as rejected."""
+        queue = self._queues[tier]
+        queue.num_rejected -= Counter({code.value: 1})  # a Counter keeps positive counts only
+        queue.num_deferred[code.value] += 1
 
     def shed_at_worker(self, ticket: Ticket[Any], message: str) -> SluiceError:
         """Count a ``queue_timeout`` of a ticket the worker dropped unstarted at its start deadline, and return the

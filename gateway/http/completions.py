@@ -67,7 +67,7 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
             deferred = await defer_shed_request(request, kind, principal.tier, exc)
             if deferred is None:
                 raise
-            plan.route.runtime.admission.count_deferred(principal.tier.name, exc.code)
+            plan.route.runtime.admission.shedder.count_deferred(principal.tier.name, exc.code)
             return deferred
         log_fields["queue_ms"] = round(generation.queue_wait_s * 1000, 2)
         generation.start()

@@ -44,16 +44,20 @@ class BodyDeadline:
         self.num_unfinished = 0
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Run ``handler`` under the body deadline when the body has not fully arrived yet.
+    def middleware(self, request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
+        """Run ``handler`` under the body deadline when the body has not fully arrived yet; a whole body's request
+        is the handler's own coroutine, with no frame of this middleware around it (resumed on every token).
 
-        Raises:
+        Raises (when awaited):
             SluiceError: 408 ``request_timeout`` when the body did not arrive in time; 503 ``server_overloaded``
                 when ``max_unfinished`` bodies are being received already.
         """
+        if request.content.is_eof():
+            return handler(request)
+        return self._receive_under_deadline(request, handler)
+
+    async def _receive_under_deadline(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         body = request.content
-        if body.is_eof():
-            return await handler(request)
         if self.num_unfinished >= self.max_unfinished:
             raise SluiceError(ErrorCode.SERVER_OVERLOADED, f"the gateway is receiving {self.num_unfinished} request "
                               "bodies already; retry shortly", retry_after_s=OVERLOADED_RETRY_AFTER_S)

@@ -9,6 +9,7 @@ carry ``x-sluice-queue-ms`` and ``x-sluice-tier`` (the tier that served them).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import msgspec
@@ -27,16 +28,6 @@ TIER_HEADER = "x-sluice-tier"  # the tier that served the request (the request h
 DEGRADED_HEADER = "x-sluice-degraded"  # "1" when the tier's degrade pool answered instead of the model's
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/chat/completions``."""
-    return await _serve(request, "chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions``."""
-    return await _serve(request, "completion")
-
-
 def _principal(request: web.Request, body: OpenAIRequest) -> Principal:
     """Authenticate the request and pick its tier (a client may only lower it: header or ``service_tier``)."""
     resolver = request.app[RESOLVER]
@@ -44,7 +35,10 @@ def _principal(request: web.Request, body: OpenAIRequest) -> Principal:
                             body.service_tier)
 
 
-async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
+async def serve_completion(request: web.Request, kind: Kind) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (``kind`` "chat") and ``POST /v1/completions`` ("completion"), bound to their
+    kind by :data:`chat_completions` and :data:`completions` (a wrapper coroutine would be one more frame resumed on
+    every token)."""
     arrival_s = time.perf_counter()
     pipeline, metrics = request.app[PIPELINE], request.app[METRICS]
     body = pipeline.parse(kind, await request.read())  # over client_max_size: HTTPRequestEntityTooLarge → 413
@@ -87,6 +81,10 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
         log_fields.update(completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
                           ttft_ms=None if generation.ttft_s is None else round(generation.ttft_s * 1000, 2),
                           worker_ttft_ms=generation.worker_ttft_ms, retries=generation.num_retries)
+
+
+chat_completions = functools.partial(serve_completion, kind="chat")
+completions = functools.partial(serve_completion, kind="completion")
 
 
 def _queue_header(plan: Plan) -> dict[str, str]:

@@ -202,7 +202,7 @@ class ChoiceRunner:
             try:
                 if choice.stream is None:
                     self._send(choice)
-                await self._read_update(choice)
+                self._apply_update(choice, await self._next_update(choice))
             except SluiceError as exc:
                 await self._recover(choice, exc)
         return choice.pending.popleft()
@@ -385,10 +385,6 @@ class ChoiceRunner:
                 choice.first_token_deadline_s = time.perf_counter()
             raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"worker {stream.worker.name} sent no {what} within "
                               f"{limit_s:g} s") from None
-
-    async def _read_update(self, choice: ChoiceState) -> None:
-        """Wait for the attempt's next reply; turn it into the choice's pending events (text, then its end)."""
-        self._apply_update(choice, await self._next_update(choice))
 
     def _apply_update(self, choice: ChoiceState, update: StreamUpdate) -> None:
         """Turn one reply of the attempt's worker into the choice's pending events (text, then its end)."""

@@ -21,6 +21,7 @@ error and the others leave the queue. The API key's rate limit counts the reques
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from gateway.admission.controller import AdmissionController
@@ -190,15 +191,20 @@ class Generation:
             return self._runner.ready(self.choices[0])
         return self._num_finished == len(self.choices) or not self._events.empty()
 
-    async def next_event(self) -> TextEvent | FinishEvent | None:
-        """Return the next :class:`TextEvent` / :class:`FinishEvent`, or None once every choice finished.
+    def next_event(self) -> Awaitable[TextEvent | FinishEvent | None]:
+        """Return an awaitable of the next :class:`TextEvent` / :class:`FinishEvent`, or of None once every choice
+        finished: for one choice, its runner's own coroutine (no coroutine of this class between the handler and
+        the worker's stream, resumed once per token); for several, the next event of the request's queue.
 
-        Raises:
+        Raises (when awaited):
             SluiceError: a choice failed (worker error, worker lost, timeout, shed on retry); :meth:`close` aborts
                 the others.
         """
         if self._events is None:
-            return await self._runner.next_event(self.choices[0])
+            return self._runner.next_event(self.choices[0])
+        return self._next_queued_event()
+
+    async def _next_queued_event(self) -> TextEvent | FinishEvent | None:
         if self._num_finished == len(self.choices):
             return None
         event = await self._events.get()

@@ -362,9 +362,11 @@ class WorkerPool:
 
     def kv_used_fraction(self) -> float:
         """Return committed ÷ total KV blocks over serving workers (reservations or reported use, the larger)."""
-        clients = self._serving_clients()
-        total = sum(c.total_kv_blocks for c in clients)
-        return sum(min(c.committed_kv_blocks, c.total_kv_blocks) for c in clients) / total if total else 0.0
+        total = committed = 0
+        for client in self._serving_clients():  # one pass: the pressure monitor asks on every admit
+            total += client.total_kv_blocks
+            committed += min(client.committed_kv_blocks, client.total_kv_blocks)
+        return committed / total if total else 0.0
 
     # ------------------------------------------------------------------ breaker verdicts and routing memory
 

@@ -78,7 +78,7 @@ class RequestStream:
         self._has_update = False  # a reply arrived that next_update has not returned yet
         self._waiter: asyncio.Future[None] | None = None  # next_update is waiting on it
         self._deadline_s = 0.0  # loop.time() when the current wait times out
-        self._timer: asyncio.TimerHandle | None = None  # fires at or before _deadline_s (see _wait)
+        self._timer: asyncio.TimerHandle | None = None  # fires at or before _deadline_s (see next_update)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first wait
         self.done = False  # the worker will send nothing more (finished, failed or aborted)
         self.reservation: Reservation | None = None  # set by start_request: its prefill backlog entry
@@ -142,14 +142,37 @@ class RequestStream:
             waiter.set_result(None)
 
     async def next_update(self, timeout_s: float) -> StreamUpdate:
-        """Wait for new tokens or the end of the request.
+        """Wait for new tokens or the end of the request, at most ``timeout_s`` seconds, and return them.
+
+        One future per wait and one timer per stream, not one per wait: a timer that fires before the current
+        deadline (set by an earlier, shorter wait) re-arms itself for the rest, and one set further out is re-armed
+        only when a wait's deadline is nearer. A stream waits once per token, so this saves a timer's start and
+        stop per token (``asyncio.wait_for`` would add a task per wait too). The wait is written out here, not in a
+        helper coroutine: every coroutine between the handler and this future is resumed once per token.
 
         Raises:
             SluiceError: the worker failed the request or its connection died (``worker_failed`` or the worker's
                 code), or nothing arrived within ``timeout_s`` (``worker_timeout``).
         """
         if not self._has_update:
-            await self._wait(timeout_s)
+            if timeout_s > 0:
+                loop = self._loop  # kept: asking for the running loop costs a getpid system call on Python 3.11
+                if loop is None or not loop.is_running():
+                    loop = self._loop = asyncio.get_running_loop()
+                self._deadline_s = loop.time() + timeout_s
+                timer = self._timer
+                if timer is None or timer.when() > self._deadline_s:
+                    if timer is not None:
+                        timer.cancel()
+                    self._timer = loop.call_at(self._deadline_s, self._on_timer)
+                waiter = self._waiter = loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+            if not self._has_update:
+                self.stop_timer()
+                raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"the worker sent no token for {timeout_s:g} s")
         return self.take_update()
 
     def take_update(self) -> StreamUpdate:
@@ -175,36 +198,6 @@ class RequestStream:
         if self._error is not None:
             raise self._error
         return StreamUpdate([], latency_ms, None)
-
-    async def _wait(self, timeout_s: float) -> None:
-        """Wait until a reply arrives or ``timeout_s`` passes.
-
-        One future per wait and one timer per stream, not one per wait: a timer that fires before the current
-        deadline (set by an earlier, shorter wait) re-arms itself for the rest, and one set further out is re-armed
-        only when a wait's deadline is nearer. A stream waits once per token, so this saves a timer's start and
-        stop per token (``asyncio.wait_for`` would add a task per wait too).
-
-        Raises:
-            SluiceError: ``worker_timeout`` when nothing arrived within ``timeout_s``.
-        """
-        if timeout_s > 0:
-            loop = self._loop  # kept: asking for the running loop costs a getpid system call on Python 3.11
-            if loop is None or not loop.is_running():
-                loop = self._loop = asyncio.get_running_loop()
-            self._deadline_s = loop.time() + timeout_s
-            timer = self._timer
-            if timer is None or timer.when() > self._deadline_s:
-                if timer is not None:
-                    timer.cancel()
-                self._timer = loop.call_at(self._deadline_s, self._on_timer)
-            waiter = self._waiter = loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        if not self._has_update:
-            self.stop_timer()
-            raise SluiceError(ErrorCode.WORKER_TIMEOUT, f"the worker sent no token for {timeout_s:g} s")
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from gateway.http.body_deadline import BodyDeadline
-from gateway.http.middleware import add_gateway_header, error_middleware
+from gateway.http.middleware import add_response_headers, error_middleware
 from gateway.http.routes import add_routes, setup_cors
 from gateway.pipeline.request import RequestPipeline
 from gateway.admission.caps import OutputCapper
@@ -145,7 +145,7 @@ def build_app(options: GatewayOptions, tokenizer: Tokenizer | None = None,
     if metrics is not None:
         app[METRICS] = metrics
     app.cleanup_ctx.extend([_metrics_ctx, _tokenizer_ctx, _workers_ctx, _tier_counters_ctx])
-    app.on_response_prepare.append(add_gateway_header)
+    app.on_response_prepare.append(add_response_headers)
     add_routes(app)
     setup_jobs(app)  # /v1/jobs, /v1/files, /v1/batches and the jobs resource (store + runner), last: stops first
     if config.gateway.cors_allow_origins:

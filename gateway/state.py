@@ -54,4 +54,5 @@ TIER_COUNTERS = web.AppKey("tier_counters", TierCounters)  # per-tier counts of 
 DEEP_READY = web.AppKey("deep_ready", DeepReadiness)  # /readyz?deep=1: every ready worker generates a token
 
 REQUEST_ID = web.RequestKey("request_id", str)
+CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)  # the client's X-Request-Id, echoed (http.middleware)
 REQUEST_LOG = web.RequestKey("request_log", dict)  # fields of the request's log line, filled by the handler

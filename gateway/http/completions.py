@@ -106,7 +106,6 @@ async def _stream(request: web.Request, plan: Plan, include_usage: bool) -> web.
         "Content-Type": "text/event-stream; charset=utf-8",
         "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",
-        "x-request-id": request[REQUEST_ID],
         **_queue_header(plan),
     })
     response._send_headers_immediately = False  # aiohttp: the headers leave with the first chunk, in one send

@@ -7,7 +7,11 @@
 - anything else → 500 ``internal_error``, logged with the request id (a bug: bad input never gets here).
 
 Every response carries ``x-sluice-gateway: <gateway id>`` (set when it is prepared, streams included), so a client
-behind several gateways sharing a port (``gateway.reuse_port``) or a load balancer sees who answered.
+behind several gateways sharing a port (``gateway.reuse_port``) or a load balancer sees who answered, and
+``x-request-id``: the client's own ``X-Request-Id`` when it sent a usable one (1-128 printable ASCII characters, no
+space; vLLM's and nginx's practice, so a caller's trace id comes back to it), else the gateway's request id. The
+gateway's id stays the request's key everywhere else (worker requests, response ids, the log line, which also
+carries ``client_request_id``): two clients may send the same id.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from typing import Awaitable, Callable
 
@@ -22,7 +27,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.state import CONFIG, GATEWAY_ID, METRICS, REQUEST_ID, REQUEST_LOG
+from gateway.state import CLIENT_REQUEST_ID, CONFIG, GATEWAY_ID, METRICS, REQUEST_ID, REQUEST_LOG
 from shared.errors import ErrorCode, SluiceError, error_envelope
 
 log = structlog.get_logger("sluice.gateway")
@@ -38,12 +43,13 @@ _HTTP_STATUS_TO_CODE = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+CLIENT_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")  # an X-Request-Id the response echoes
 REJECT_STATUSES = frozenset({429, 503})
 REJECT_REASON_HEADER = "x-sluice-reject-reason"  # llm-d's practice: proxies count reasons without reading bodies
 
 
-def _json_error(error: SluiceError, request_id: str) -> web.Response:
-    headers = {"x-request-id": request_id}
+def _json_error(error: SluiceError) -> web.Response:
+    headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(int(error.retry_after_s))
     if error.status in REJECT_STATUSES:
@@ -51,9 +57,9 @@ def _json_error(error: SluiceError, request_id: str) -> web.Response:
     return web.json_response(error.envelope(), status=error.status, headers=headers)
 
 
-def _http_error(exc: web.HTTPException, request: web.Request, request_id: str) -> web.Response:
+def _http_error(exc: web.HTTPException, request: web.Request) -> web.Response:
     if isinstance(exc, web.HTTPRedirection):  # not an error: the answer is its Location (none for a 304)
-        headers = {"x-request-id": request_id}
+        headers = {}
         if "Location" in exc.headers:
             headers["Location"] = exc.headers["Location"]
         return web.Response(status=exc.status, headers=headers)
@@ -69,7 +75,7 @@ def _http_error(exc: web.HTTPException, request: web.Request, request_id: str) -
         code = ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL
         message = exc.reason
     envelope = error_envelope(code, message)
-    headers = {"x-request-id": request_id}
+    headers = {}
     if exc.status == 405 and "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
     return web.json_response(envelope, status=exc.status, headers=headers)
@@ -87,6 +93,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     request_id = new_request_id()
     request[REQUEST_ID] = request_id
     request[REQUEST_LOG] = {}
+    client_request_id = request.headers.get("X-Request-Id")
+    if client_request_id is not None and CLIENT_REQUEST_ID_RE.fullmatch(client_request_id):
+        request[CLIENT_REQUEST_ID] = client_request_id
+        request[REQUEST_LOG]["client_request_id"] = client_request_id
     started_s = time.perf_counter()
     status = 500
     try:
@@ -95,13 +105,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         except SluiceError as exc:
             request[REQUEST_LOG].setdefault("error_code", exc.code.value)
             request[REQUEST_LOG].setdefault("error_message", exc.message)  # never prompt text (SluiceError)
-            response = _json_error(exc, request_id)
+            response = _json_error(exc)
         except web.HTTPException as exc:
-            response = _http_error(exc, request, request_id)
+            response = _http_error(exc, request)
         except (web.RequestPayloadError, HttpProcessingError) as exc:  # a body its Content-Encoding cannot decode
             error = SluiceError(ErrorCode.INVALID_REQUEST, f"The request body could not be read: {exc}")
             request[REQUEST_LOG].setdefault("error_code", error.code.value)
-            response = _json_error(error, request_id)
+            response = _json_error(error)
         except asyncio.CancelledError:
             status = CLIENT_CLOSED_STATUS
             request[REQUEST_LOG]["outcome"] = "client_disconnected"
@@ -112,10 +122,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         except Exception:
             log.exception("internal_error", request_id=request_id, method=request.method, path=request.path)
-            response = _json_error(SluiceError(ErrorCode.INTERNAL, f"internal error (request id {request_id})"),
-                                   request_id)
-        if not response.prepared:
-            response.headers.setdefault("x-request-id", request_id)
+            response = _json_error(SluiceError(ErrorCode.INTERNAL, f"internal error (request id {request_id})"))
         status = response.status
         return response
     finally:
@@ -152,9 +159,14 @@ def request_log_level(path: str, endpoint: str, status: int) -> int | None:
     return None
 
 
-async def add_gateway_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: say which gateway answers (every response, streams included)."""
-    response.headers["x-sluice-gateway"] = request.app[GATEWAY_ID]
+async def add_response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` (every response, streams included): say which gateway answers, and the request id
+    (the client's ``X-Request-Id`` when usable, else the gateway's; see the module docstring)."""
+    headers = response.headers
+    headers["x-sluice-gateway"] = request.app[GATEWAY_ID]
+    request_id = request.get(CLIENT_REQUEST_ID) or request.get(REQUEST_ID)
+    if request_id is not None:
+        headers["x-request-id"] = request_id
 
 
 def new_request_id() -> str:

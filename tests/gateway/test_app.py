@@ -7,6 +7,7 @@ request gets 503 ``no_worker_available`` with Retry-After (and /readyz is 503).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -52,6 +53,18 @@ async def test_bc22_invalid_json_bodies_are_json_400(client, raw):
     assert headers["Content-Type"].startswith("application/json")
     assert _envelope(body)["type"] == "invalid_request_error"
     assert headers["x-request-id"]
+
+
+@pytest.mark.parametrize("sent, echoed", [("trace-42", True), ("00-4bf92f3577b34da6a3ce929d0e0e4736-01", True),
+                                           ("x" * 129, False), ("has space", False), ("", False)])
+async def test_a_usable_x_request_id_is_echoed_else_the_gateways_own(client, sent, echoed):
+    response = await client.post(CHAT, data=b"{}", headers={"Content-Type": "application/json",
+                                                            "X-Request-Id": sent})
+    assert response.status == 400
+    if echoed:
+        assert response.headers["x-request-id"] == sent
+    else:
+        assert re.fullmatch("[0-9a-f]{32}", response.headers["x-request-id"])
 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])

@@ -133,6 +133,23 @@ def test_sdk_chat_stream_equals_non_stream_at_temperature_0(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens <= 32
 
 
+def test_sdk_a_clients_x_request_id_comes_back_on_a_stream_and_two_may_share_it(client):
+    """The caller's trace id is echoed; the gateway's own id still keys the request (two concurrent requests with one
+    X-Request-Id both complete, with distinct response ids)."""
+    messages = [{"role": "user", "content": "Say hello."}]
+
+    def streamed():
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+            extra_headers={"X-Request-Id": "trace-7f3a"})
+        chunks = [chunk for chunk in raw.parse() if chunk.choices]
+        return raw.headers["x-request-id"], {chunk.id for chunk in chunks}
+
+    (echo_a, ids_a), (echo_b, ids_b) = _parallel(streamed, streamed)
+    assert echo_a == echo_b == "trace-7f3a"
+    assert len(ids_a) == len(ids_b) == 1 and ids_a != ids_b and "trace-7f3a" not in ids_a.pop()
+
+
 def test_sdk_completions_stream_and_non_stream(client):
     whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
     stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,

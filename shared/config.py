@@ -305,7 +305,9 @@ class TierConfig(_Section):
         rpm_limit: requests per minute per API key in this tier; 0 = unlimited (an API key may override it).
         tpm_limit: tokens (prompt + capped output) per minute per API key; 0 = unlimited.
         degrade_pool: a lighter pool (``[[pools]]`` name) this tier's requests go to instead of waiting or being shed
-            when the pressure level is at least ``degrade_at``; "" = never degrade (issue 7).
+            when the pressure level is at least ``degrade_at`` and that pool has a worker that can take them (ready,
+            breaker not open; else they stay in their own pool); "" = never degrade. The answer then names the
+            degrade pool's model and carries ``x-sluice-degraded: 1``.
         degrade_at: the pressure level from which ``degrade_pool`` applies: ``elevated`` or ``critical``.
         defer_on_overload: a sync request of this tier that would be shed with 503 becomes an async job instead
             (202 + job object + ``Location``; issue 6). A client may also ask with ``x-sluice-defer: allow``.

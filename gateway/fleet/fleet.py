@@ -234,8 +234,10 @@ class Fleet:
         return list(dict.fromkeys(runtime.config.model_name for runtime in self.runtimes.values()))
 
     def route(self, model: str, tier: TierConfig, logprobs: bool = False) -> Route:
-        """Pick the pool of a request: its model's, or its tier's ``degrade_pool`` under the configured pressure
-        (not a pool of upstream engines for a request that wants ``logprobs``: they are not passed through).
+        """Pick the pool of a request: its model's, or its tier's ``degrade_pool`` under the configured pressure when
+        that pool has a worker that can take it now (ready, breaker not open: a degrade pool that is down or still
+        starting sends nothing away from the model's own pool), and not a pool of upstream engines for a request that
+        wants ``logprobs`` (they are not passed through).
 
         Raises:
             SluiceError: ``model_not_found`` for an unknown model.
@@ -244,7 +246,8 @@ class Fleet:
         if tier.degrade_pool and tier.degrade_pool != requested.name and self.config.admission.enabled:
             threshold = PressureLevel[tier.degrade_at.upper()]
             target = self.runtimes[tier.degrade_pool]
-            if requested.pressure.level >= threshold and not (logprobs and target.config.backend == "openai"):
+            if (requested.pressure.level >= threshold and target.has_serving_worker()
+                    and not (logprobs and target.config.backend == "openai")):
                 target.degraded_in[tier.name] += 1
                 self.degraded[(tier.name, target.name)] += 1
                 return Route(target, True, requested)
@@ -279,9 +282,10 @@ class Fleet:
             self.kick()
 
     def is_ready(self) -> bool:
-        """Return whether requests can be served: a worker is ready, or a pool scales from zero (min_workers = 0)
-        and can start one (requests then wait through its cold start)."""
-        return any(runtime.has_ready_worker() or (runtime.config.min_workers == 0 and self.scaling.may_spawn(runtime))
+        """Return whether requests can be served: a worker is ready and its breaker not open, or a pool scales from
+        zero (min_workers = 0) and can start one (requests then wait through its cold start)."""
+        return any(runtime.has_serving_worker()
+                   or (runtime.config.min_workers == 0 and self.scaling.may_spawn(runtime))
                    for runtime in self.runtimes.values())
 
     def worker_status(self) -> list[WorkerStatus]:

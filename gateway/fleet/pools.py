@@ -163,6 +163,10 @@ class PoolRuntime:
     def has_ready_worker(self) -> bool:
         return any(client.ready for client in self.pool.clients)
 
+    def has_serving_worker(self) -> bool:
+        """Return whether a worker can take a request now: ready, and its breaker not open."""
+        return self.pool.num_serving_workers() > 0
+
 
 @dataclass(frozen=True)
 class Route:

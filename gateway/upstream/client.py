@@ -23,7 +23,9 @@ into Sluice's own stream. Failures, as a worker's:
   this is a field Sluice passes on and the engine does not accept).
 
 A failed poll marks the upstream unready (``/readyz`` says why: :meth:`UpstreamClient.not_ready_reason`) and counts
-against its breaker, so an upstream that is down opens its breaker within ``failure_threshold`` polls. Aborting a
+against its breaker, so an upstream that is down opens its breaker within ``failure_threshold`` polls; the first
+poll that succeeds again half-opens it (the next request is its probe), instead of leaving every request shed for the
+rest of the breaker's cooldown. Aborting a
 request (client gone, stop string matched) cancels its task, which closes its HTTP connection at once: the engine
 sees the disconnect and frees the sequence.
 """
@@ -373,6 +375,7 @@ class UpstreamClient(WorkerClient):
                      kv_capacity_tokens=self.hello.kv_capacity_tokens)
         if not self._reachable and self.last_error is not None:
             log.info("upstream_reachable_again", upstream=self.name, address=self.address)
+            self.breaker.probe_now()  # the polls opened it; the next request tests the engine now, not in cooldown_s
         self._reachable, self.last_error = True, None
         self._ready.set()
         total = self.hello.num_kv_blocks

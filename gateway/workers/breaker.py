@@ -114,6 +114,13 @@ class CircuitBreaker:
         if self._state is BreakerState.HALF_OPEN:
             self._probe_in_flight = False
 
+    def probe_now(self) -> None:
+        """Let an open breaker's probe through now instead of after its cooldown: the target answered a health
+        check (an upstream engine reachable again), so the next request tests it at once."""
+        if self._state is BreakerState.OPEN:
+            self._state = BreakerState.HALF_OPEN
+            self._probe_in_flight = False
+
     def _open(self) -> None:
         self._state = BreakerState.OPEN
         self._opened_at_s = self._clock()

@@ -55,6 +55,21 @@ def test_half_open_after_cooldown_lets_exactly_one_probe_through():
     assert not breaker.allow_request()  # the second request waits for the probe's verdict
 
 
+def test_probe_now_half_opens_an_open_breaker_before_its_cooldown_and_touches_no_other_state():
+    breaker, clock = make(threshold=1, cooldown_s=10.0)
+    breaker.probe_now()
+    assert breaker.state is BreakerState.CLOSED
+    breaker.on_failure()
+    clock.now_s = 1.0
+    breaker.probe_now()  # a health check says the target is back
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allow_request() and not breaker.allow_request()
+    breaker.probe_now()  # half-open already: the probe in flight keeps its slot
+    assert not breaker.available()
+    breaker.on_failure()  # the probe failed: open for a new cooldown
+    clock.now_s = 10.9
+    assert breaker.state is BreakerState.OPEN
+
+
 def test_probe_success_closes():
     breaker, clock = make(threshold=1)
     breaker.on_failure()

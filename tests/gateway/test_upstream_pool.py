@@ -16,7 +16,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.metrics import Metrics
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.request_body import UpstreamPrompt
-from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
 from shared.config import Config, ConfigError, effective_pools, effective_tiers, validate_pool_config
@@ -56,14 +56,18 @@ def test_an_upstream_pool_has_no_local_workers_and_needs_http_upstreams():
         msgspec.convert({"pools": [{"name": "p", "backend": "openai", "engine": "ollama"}]}, Config)
 
 
-async def test_mixed_fleet_degrades_a_tier_from_our_workers_to_the_upstream_pool():
-    fleet = Fleet(mixed_config(), Metrics(), spawn_local=False)
+async def test_mixed_fleet_degrades_a_tier_from_our_workers_to_the_upstream_pool(recorded_vllm):
+    url, _ = recorded_vllm
+    fleet = Fleet(mixed_config(url), Metrics(), spawn_local=False)
     tiers = {tier.name: tier for tier in effective_tiers(fleet.config)}
     ours, engine = fleet.runtimes["ours"], fleet.runtimes["engine"]
     assert [type(c).__name__ for c in engine.pool.clients] == ["UpstreamClient"]
     assert fleet.scaling.max_local(engine) == 0 and not fleet.is_ready()  # the upstream was never polled
     assert fleet.route(MODEL, tiers["free"]).runtime is ours
     ours.pressure.observe(queue_wait_s=2.5, kv_used_fraction=0.0)  # elevated
+    assert fleet.route(MODEL, tiers["free"]).runtime is ours  # no upstream has answered a poll: nothing to take it
+    engine.pool.start()
+    await wait_until(engine.has_serving_worker, "the upstream's first poll")
     route = fleet.route(MODEL, tiers["free"])
     assert (route.runtime, route.degraded, route.requested) == (engine, True, ours)
     assert fleet.route(MODEL, tiers["vip"]).runtime is ours
@@ -174,6 +178,37 @@ async def test_capacity_from_the_engines_metrics_and_a_429_keeps_the_upstream_ou
             pool.release(reservation)
     finally:
         await client.close()
+
+
+async def test_an_upstream_that_answers_its_polls_again_is_probed_at_once_not_after_the_breakers_cooldown():
+    """README trial 5: an upstream back after being down answered its polls (so /readyz said 200) while its breaker
+    stayed open for the rest of its cooldown, and every request got 503 no_worker_available meanwhile."""
+    engine_up = False
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=VLLM_METRICS) if engine_up else web.Response(status=503, text="loading")
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy"}}, status=429)
+
+    url, runner = await serve_engine(metrics, chat)
+    client = UpstreamClient(url, "vllm-0", engine="vllm", model="m", max_concurrency=8, kv_capacity_tokens=16000,
+                            metrics_interval_s=0.05, breaker=CircuitBreaker(3, 60.0))
+    pool = WorkerPool([client])
+    client.start()
+    try:
+        await wait_until(lambda: client.breaker.state is BreakerState.OPEN, "the failed polls to open the breaker")
+        assert pool.num_serving_workers() == 0 and not client.ready
+        engine_up = True
+        await wait_until(lambda: client.ready, "the poll that finds the engine back")
+        assert client.breaker.state is BreakerState.HALF_OPEN  # not open for the rest of its 60 s cooldown
+        assert pool.num_serving_workers() == 1
+        probe = pool.try_reserve(10, "standard", list(range(40)))
+        assert probe is not None and pool.try_reserve(10, "standard", list(range(50, 90))) is None  # one probe
+        pool.release(probe)
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def test_one_sequences_decode_speed_is_measured_from_the_streams_read():

@@ -7,8 +7,9 @@ Usage::
 
 Graceful drain: on SIGTERM (or SIGINT) the gateway stops admitting — queued and new requests get 503
 ``server_draining`` with ``Retry-After``, ``/readyz`` turns 503 — while requests already running finish, for at
-most ``gateway.drain_timeout_s``; then it closes the listener, cancels what is left, stops its local workers and
-exits 0. A second signal skips the rest of the drain.
+most ``gateway.drain_timeout_s``; requests still running then end with ``server_draining`` (in-band on a stream,
+then ``[DONE]``; a 503 before the first byte); then it closes the listener, cancels what is left, stops its local
+workers and exits 0. A second signal skips the rest of the drain (the requests still end that way).
 
 The listening socket is bound before anything else starts: an address already in use (or one this machine does not
 have) ends ``sluice serve`` with one line naming it and exit status 1, before any worker is spawned.
@@ -39,6 +40,7 @@ from gateway.app import build_app
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.auth import load_secret
 from shared.config import ConfigError, load_config, with_overrides
+from shared.errors import ErrorCode, SluiceError
 from shared.logs import configure_logging
 
 log = structlog.get_logger("sluice.gateway")
@@ -112,7 +114,8 @@ async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) ->
     """Stop admitting and wait until no request is active, ``timeout_s`` passed or ``force`` is set.
 
     Returns:
-        The number of requests still active when the wait ended (cancelled by the shutdown that follows).
+        The number of requests still active when the wait ended: each is ended with ``server_draining``
+        (:meth:`Fleet.fail_requests`), which its handler writes during the shutdown that follows.
     """
     app[FLEET].start_draining()  # every pool's admission
     metrics = app[METRICS]
@@ -123,9 +126,18 @@ async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) ->
         if left_s <= 0:
             break
         await wait_event(force, min(DRAIN_POLL_INTERVAL_S, left_s))
-    log.info("gateway_drained", active_requests=metrics.num_active_requests,
+    active = metrics.num_active_requests
+    ended = 0
+    if active > 0:
+        # what still runs ends with an error its client can read (in-band on a stream, then [DONE]; a 503 before the
+        # first byte) rather than a connection cut by the shutdown's cancellation, which a client cannot tell from a
+        # network fault; the handlers write it within the shutdown's SHUTDOWN_TIMEOUT_S
+        ended = app[FLEET].fail_requests(SluiceError(
+            ErrorCode.DRAINING, f"The server is shutting down: the request did not finish within "
+            f"gateway.drain_timeout_s ({timeout_s:g} s). Retry on another instance."))
+    log.info("gateway_drained", active_requests=active, ended_with_server_draining=ended,
              drain_s=round(time.monotonic() - started_s, 3))
-    return metrics.num_active_requests
+    return active
 
 
 def return_large_blocks_to_the_os() -> None:

@@ -55,7 +55,7 @@ from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool, WorkerStatus
 from shared.auth import load_secret
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
-from shared.errors import model_not_found
+from shared.errors import SluiceError, model_not_found
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -186,6 +186,11 @@ class Fleet:
         """Stop admitting in every pool: queued requests and new ones get 503 ``server_draining`` (SIGTERM)."""
         for runtime in self.runtimes.values():
             runtime.admission.start_draining()
+
+    def fail_requests(self, error: SluiceError) -> int:
+        """End every request in flight on every worker with ``error`` (:meth:`WorkerClient.fail_requests`); return
+        how many."""
+        return sum(client.fail_requests(error) for runtime in self.runtimes.values() for client in runtime.pool.clients)
 
     @property
     def draining(self) -> bool:

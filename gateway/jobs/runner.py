@@ -244,8 +244,10 @@ class JobRunner:
 
     async def _on_error(self, job: Job, exc: SluiceError, request_id: str, admitted: bool) -> None:
         """A 5xx is transient: back to the queue (a shed before any worker was reached does not use up an
-        attempt), and a short pause in claiming. A 4xx, or a 5xx on the last attempt, fails the job."""
+        attempt, nor does ``server_draining``: the gateway shutting down ended it, as a shutdown's cancellation
+        does), and a short pause in claiming. A 4xx, or a 5xx on the last attempt, fails the job."""
         transient = exc.status >= 500 or exc.code is ErrorCode.RATE_LIMIT_EXCEEDED
+        admitted = admitted and exc.code is not ErrorCode.DRAINING
         if transient and (not admitted or job.attempts < self.config.max_attempts):
             if await self.store.requeue(job.id, self.runner_id, refund_attempt=not admitted):
                 self.num_requeued += 1

@@ -277,6 +277,17 @@ class WorkerClient:
         if self._writer is not None and not self._writer.is_closing():
             self._send(self._codec.encode(Abort(request_id)))
 
+    def fail_requests(self, error: SluiceError) -> int:
+        """End every request in flight here with ``error`` (its reader raises it: an in-band error once its stream
+        has a byte out, else the plain JSON error or a retry) and abort it on the worker; return how many. The
+        gateway's drain calls it when ``gateway.drain_timeout_s`` ran out, so that nothing it cancels next is cut off
+        without an ending."""
+        streams = [stream for stream in self._streams.values() if not stream.done]
+        for stream in streams:
+            self.abort(stream.request_id)
+            stream._fail(error)
+        return len(streams)
+
     def _send(self, frame: bytes) -> None:
         """Queue one encoded frame for the worker. The frames queued in one event-loop iteration leave together,
         in order, in one write at the end of it (one system call for a burst of dispatches and aborts instead of

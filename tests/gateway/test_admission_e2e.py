@@ -730,6 +730,33 @@ async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overl
     assert worker_pids and not [pid for pid in worker_pids if _alive(pid)]
 
 
+async def test_requests_still_running_when_the_drain_times_out_end_with_server_draining_not_a_cut(tmp_path, http):
+    """README trial 5: a stream still running at ``drain_timeout_s`` stopped mid-answer with no error and no
+    ``[DONE]`` (the SDK saw a connection error) and was logged as a client disconnect."""
+    gateway = _start_gateway(tmp_path, OVERLOAD_CONFIG.replace("drain_timeout_s = 10.0", "drain_timeout_s = 1.0"))
+    try:
+        _wait_ready(gateway)
+        first_byte = asyncio.Event()
+        streamed = asyncio.create_task(post(http, gateway.base_url, _chat(max_tokens=400, stream=True),
+                                            on_first_byte=first_byte))  # about 40 s of tokens
+        whole = asyncio.create_task(post(http, gateway.base_url, _chat(max_tokens=400)))
+        await asyncio.wait_for(first_byte.wait(), 10)
+        await wait_status(gateway, lambda s: tier_stats(s, "standard")["in_flight"] == 2)
+        gateway.process.send_signal(signal.SIGTERM)
+        streamed, whole = await asyncio.gather(streamed, whole)
+        events = streamed.events()
+        assert streamed.status == 200 and events[-1] == b"[DONE]", streamed.body[-400:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_draining" and "drain_timeout_s" in error["message"], error
+        assert whole.status == 503 and whole.error_code == "server_draining", whole.body
+        assert await asyncio.to_thread(gateway.process.wait, 30) == 0
+        lines = [json.loads(line) for line in gateway.log_path.read_text().splitlines() if line.startswith("{")]
+        outcomes = [line.get("outcome") for line in lines if line.get("event") == "request" and line.get("tier")]
+        assert "client_disconnected" not in outcomes and "error_in_band" in outcomes, outcomes
+    finally:
+        _stop_gateway(gateway)
+
+
 @pytest.mark.parametrize("start_method", ["forkserver", "exec"])
 async def test_a_signal_to_the_gateway_process_group_drains_before_the_workers_stop(tmp_path, http, start_method):
     """Ctrl-C in a terminal, or ``kill -TERM -- -<pgid>``, signals the gateway's whole process group: its local

@@ -122,6 +122,19 @@ async def test_shed_before_any_worker_does_not_use_up_attempts(store, monkeypatc
     assert executor.calls == 6 > CONFIG.max_attempts and stored.attempts == 1
 
 
+async def test_a_job_ended_by_the_gateway_shutting_down_does_not_use_up_an_attempt(store, monkeypatch):
+    """A drain that times out ends the requests still running with server_draining (503): a job on its worker
+    goes back to the queue as a shutdown's cancellation puts it, even on what would be its last attempt."""
+    monkeypatch.setattr("gateway.jobs.runner.TRANSIENT_BACKOFF_S", 0.0)
+    job = await _add(store)
+    draining = SluiceError(ErrorCode.DRAINING, "the server is shutting down")
+    executor = ScriptedExecutor(*([draining] * 4), {"object": "chat.completion"})  # admitted each time
+    await _run_until(JobRunner(store, CONFIG, executor, ScriptedGate(), _finalize),
+                     _status_is(store, job.id, SUCCEEDED))
+    stored = await store.get_job(job.id)
+    assert executor.calls == 5 > CONFIG.max_attempts and stored.attempts == 1
+
+
 async def test_no_job_starts_while_requests_wait_and_only_after_the_idle_grace(store):
     job = await _add(store)
     gate = ScriptedGate(Room(4, True))

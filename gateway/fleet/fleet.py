@@ -238,11 +238,11 @@ class Fleet:
         """Return the served model ids, one per pool, in config order (duplicates once)."""
         return list(dict.fromkeys(runtime.config.model_name for runtime in self.runtimes.values()))
 
-    def route(self, model: str, tier: TierConfig, logprobs: bool = False) -> Route:
+    def route(self, model: str, tier: TierConfig, serves: Callable[[PoolRuntime], bool] | None = None) -> Route:
         """Pick the pool of a request: its model's, or its tier's ``degrade_pool`` under the configured pressure when
         that pool has a worker that can take it now (ready, breaker not open: a degrade pool that is down or still
-        starting sends nothing away from the model's own pool), and not a pool of upstream engines for a request that
-        wants ``logprobs`` (they are not passed through).
+        starting sends nothing away from the model's own pool) and ``serves`` the request (e.g. not a pool of upstream
+        engines for a request that wants ``logprobs``, which they do not pass through).
 
         Raises:
             SluiceError: ``model_not_found`` for an unknown model.
@@ -252,7 +252,7 @@ class Fleet:
             threshold = PressureLevel[tier.degrade_at.upper()]
             target = self.runtimes[tier.degrade_pool]
             if (requested.pressure.level >= threshold and target.has_serving_worker()
-                    and not (logprobs and target.config.backend == "openai")):
+                    and (serves is None or serves(target))):
                 target.degraded_in[tier.name] += 1
                 self.degraded[(tier.name, target.name)] += 1
                 return Route(target, True, requested)

@@ -35,8 +35,8 @@ from gateway.pipeline.generate import Generation
 from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import PromptTooLong, Tokenizer
-from gateway.upstream.request_body import UpstreamPrompt
-from shared.config import Config
+from gateway.upstream.request_body import ENGINES_WITHOUT_VLLM_SAMPLING, UpstreamPrompt
+from shared.config import Config, PoolConfig
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
 
@@ -199,9 +199,10 @@ class RequestPipeline:
         if n > config.gateway.max_n:
             raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
-        route = self.fleet.route(body.model, principal.tier, openai_api.logprobs_wanted(body)[0])
+        route = self.fleet.route(body.model, principal.tier,
+                                 lambda pool: _unservable_field(body, pool.config) is None)
         runtime = route.runtime
-        _check_logprobs(body, runtime)
+        _check_servable(body, runtime)
         caps = self._caps(kind, body, runtime, principal.tier.name, prompt_ids)
         generation = Generation(
             request_id=request_id, prompts=prompt_ids, max_tokens=[cap.max_tokens for cap in caps], n=n,
@@ -278,7 +279,7 @@ class RequestPipeline:
         """
         body = self.parse(kind, raw_body)
         runtime = self.fleet.runtime_for_model(body.model)
-        _check_logprobs(body, runtime)
+        _check_servable(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens
         prompt_ids = await self.tokenize(kind, body, context_tokens)
         self._caps(kind, body, runtime, tier, prompt_ids, context_tokens)
@@ -314,13 +315,34 @@ class RequestPipeline:
             plan.generation.close()
 
 
-def _check_logprobs(body: OpenAIRequest, runtime: PoolRuntime) -> None:
-    """Raise 400 naming ``logprobs`` when the request wants them from a pool of upstream engines (``gateway.upstream``
-    streams their text, not their log-probabilities), rather than answer with none."""
-    if openai_api.logprobs_wanted(body)[0] and runtime.config.backend == "openai":
+def _unservable_field(body: OpenAIRequest, pool: PoolConfig) -> str | None:
+    """Return the field of the request that ``pool`` cannot serve, or None: ``logprobs`` on a pool of upstream
+    engines (``gateway.upstream`` streams their text, not their log-probabilities); ``top_k`` or ``ignore_eos`` on an
+    engine that refuses vLLM's sampling extensions (:data:`ENGINES_WITHOUT_VLLM_SAMPLING`)."""
+    if pool.backend != "openai":
+        return None
+    if openai_api.logprobs_wanted(body)[0]:
+        return "logprobs"
+    if pool.engine in ENGINES_WITHOUT_VLLM_SAMPLING:
+        if (body.top_k or 0) > 0:
+            return "top_k"
+        if body.ignore_eos:
+            return "ignore_eos"
+    return None
+
+
+def _check_servable(body: OpenAIRequest, runtime: PoolRuntime) -> None:
+    """Raise 400 naming the field the request's pool cannot serve (:func:`_unservable_field`), rather than answer
+    without it or pass on the engine's own refusal, which names no field."""
+    field = _unservable_field(body, runtime.config)
+    if field == "logprobs":
         raise SluiceError(ErrorCode.INVALID_VALUE, f"logprobs are not available from model '{body.model}': its pool "
                           f"'{runtime.name}' is an upstream engine, whose log-probabilities this gateway does not pass "
                           "through", param="logprobs")
+    if field is not None:
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"{field} is not available from model '{body.model}': its pool "
+                          f"'{runtime.name}' is an upstream {runtime.config.engine} engine, which does not take it",
+                          param=field)
 
 
 def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail: str = "") -> SluiceError:

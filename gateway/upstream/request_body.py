@@ -15,6 +15,12 @@ from typing import Any
 from shared.protocol import Generate
 
 
+# Engines whose OpenAI endpoints refuse the vLLM sampling extensions forwarded below (``top_k``, ``ignore_eos``):
+# ``transformers serve`` answers 400 "Unexpected fields in the request". vLLM, SGLang and llama.cpp's server take
+# both; TGI and generic engines are sent them as asked.
+ENGINES_WITHOUT_VLLM_SAMPLING = frozenset({"transformers"})
+
+
 @dataclass(frozen=True)
 class UpstreamPrompt:
     """One prompt as the client sent it, for an upstream to read instead of token ids.

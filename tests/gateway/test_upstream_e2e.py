@@ -148,6 +148,11 @@ def test_bad_input_is_a_400_from_sluice_before_the_engine_is_called(gateway):
     too_long = [{"role": "user", "content": "word " * 3000}]  # past the 2048-token context, by Sluice's count
     status, body = post_json(gateway.base_url + "/v1/chat/completions", {"model": MODEL, "messages": too_long})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    # vLLM's sampling extensions, which transformers serve refuses with a 400 naming no field (README trial 5)
+    for field, value in (("top_k", 5), ("ignore_eos", True)):
+        status, body = post_json(gateway.base_url + "/v1/chat/completions",
+                                 {"model": MODEL, "messages": PROMPT, "max_tokens": 3, field: value})
+        assert status == 400 and body["error"]["param"] == field and "transformers" in body["error"]["message"], body
     assert upstream_status(gateway)["connections"] == sent_before
 
 

@@ -72,6 +72,8 @@ async def test_mixed_fleet_degrades_a_tier_from_our_workers_to_the_upstream_pool
     assert (route.runtime, route.degraded, route.requested) == (engine, True, ours)
     assert fleet.route(MODEL, tiers["vip"]).runtime is ours
     assert fleet.route("small-model", tiers["vip"]).runtime is engine
+    # a request the degrade pool cannot serve (logprobs from an engine, top_k on transformers serve) stays
+    assert fleet.route(MODEL, tiers["free"], lambda pool: pool.config.backend != "openai").runtime is ours
     await fleet.close()
 
 

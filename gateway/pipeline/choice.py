@@ -108,6 +108,7 @@ class ChoiceState:
     matcher: StopStringMatcher | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    engine_prompt_tokens: int | None = None  # the prompt as the engine counted it (its Finished; not a resumption's)
     finish_reason: str | None = None
     text_parts: list[str] = field(default_factory=list)
     last_token_at_s: float = 0.0
@@ -403,6 +404,8 @@ class ChoiceRunner:
             finished = update.finished
             choice.cached_tokens = min(finished.cached_tokens, choice.prompt_tokens)  # a resumption's prompt
             # holds the answer so far, which the engine may have cached too
+            if choice.resume_prompt is None:
+                choice.engine_prompt_tokens = finished.prompt_tokens
             choice.completion_tokens = max(choice.completion_tokens,
                                            choice.resume_base_tokens + finished.completion_tokens)
             text = choice.matcher.push(choice.detokenizer.flush())

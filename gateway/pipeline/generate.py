@@ -226,13 +226,17 @@ class Generation:
     # ------------------------------------------------------------------ results
 
     def usage(self) -> Usage:
-        """Return the request's usage: each prompt counted once, completions summed over choices."""
-        prompt_tokens = sum(len(p) for p in self.prompts)
+        """Return the request's usage: each prompt counted once — as the engine counted it where a choice of it
+        finished (an upstream engine applies its own chat template), else as the gateway tokenized it —, completions
+        summed over choices."""
+        prompt_tokens = [len(p) for p in self.prompts]
         cached = [0] * len(self.prompts)
         for choice in self.choices:
             cached[choice.prompt_index] = max(cached[choice.prompt_index], choice.cached_tokens)
+            if choice.engine_prompt_tokens is not None:
+                prompt_tokens[choice.prompt_index] = choice.engine_prompt_tokens
         completion_tokens = sum(c.completion_tokens for c in self.choices)
-        return Usage(prompt_tokens, completion_tokens, sum(cached))
+        return Usage(sum(prompt_tokens), completion_tokens, sum(cached))
 
     def text(self, index: int) -> str:
         return "".join(self.choices[index].text_parts)

@@ -205,6 +205,10 @@ async def test_a_vip_request_preempts_a_running_standard_stream_which_resumes_wh
     assert words_before >= 3 and resumed["body"]["max_tokens"] == MAX_TOKENS - words_before
     assert status["admission"]["tiers"]["standard"]["preempted"] == 1
     assert status["admission"]["tiers"]["vip"]["preempted"] == 0
+    # usage counts the prompt as the engine did (it reports 10), except for a resumption, whose prompt holds the
+    # answer so far: then as the gateway tokenized the client's (README trial 5: always the gateway's count)
+    assert vip.usage.prompt_tokens == 10 != len(prompt_ids)
+    assert usage.prompt_tokens == len(prompt_ids)
 
 
 async def test_the_choices_of_one_lower_tier_request_all_run_though_lower_tiers_send_one_prompt_at_a_time(

@@ -9,12 +9,14 @@
   of a running job (claim, renew, requeue, finish).
 
 The store itself keeps the job and batch records: adding jobs under the per-owner limit, reading and listing them,
-updating batches, the summary and the purge of records whose retention ended.
+updating batches, the summary and the purge of records whose retention ended. A record past its retention reads as
+gone at once (:data:`RETAINED`), though the purge that deletes it runs only every few minutes.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,8 @@ from gateway.jobs.sqlite_schema import (
     job_params,
 )
 from gateway.jobs.store import JobStore, TooManyJobsError
+
+RETAINED = "(purge_at = 0 OR purge_at >= ?)"  # a job or batch record whose retention has not ended (param: now, s)
 
 
 class SqliteJobStore(JobStore):
@@ -117,14 +121,16 @@ class SqliteJobStore(JobStore):
 
     async def get_job(self, job_id: str) -> Job | None:
         """See :meth:`JobStore.get_job`."""
-        row = await self._db.run(lambda c: c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
+        now_s = time.time()
+        row = await self._db.run(lambda c: c.execute(f"SELECT * FROM jobs WHERE id = ? AND {RETAINED}",
+                                                     (job_id, now_s)).fetchone())
         return None if row is None else job_from_row(row)
 
     async def list_jobs(self, owner: str, limit: int, after: str | None) -> tuple[list[Job], bool]:
         """See :meth:`JobStore.list_jobs`."""
 
         def page(conn: sqlite3.Connection) -> list[sqlite3.Row]:
-            sql, params = "SELECT * FROM jobs WHERE owner = ? AND batch_id = ''", [owner]
+            sql, params = f"SELECT * FROM jobs WHERE owner = ? AND batch_id = '' AND {RETAINED}", [owner, time.time()]
             if after is not None:
                 sql += " AND seq < COALESCE((SELECT seq FROM jobs WHERE id = ? AND owner = ?), -1)"
                 params += [after, owner]
@@ -209,14 +215,16 @@ class SqliteJobStore(JobStore):
 
     async def get_batch(self, batch_id: str) -> Batch | None:
         """See :meth:`JobStore.get_batch`."""
-        row = await self._db.run(lambda c: c.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone())
+        now_s = time.time()
+        row = await self._db.run(lambda c: c.execute(f"SELECT * FROM batches WHERE id = ? AND {RETAINED}",
+                                                     (batch_id, now_s)).fetchone())
         return None if row is None else batch_from_row(row)
 
     async def list_batches(self, owner: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
         """See :meth:`JobStore.list_batches`."""
 
         def page(conn: sqlite3.Connection) -> list[sqlite3.Row]:
-            sql, params = "SELECT * FROM batches WHERE owner = ?", [owner]
+            sql, params = f"SELECT * FROM batches WHERE owner = ? AND {RETAINED}", [owner, time.time()]
             if after is not None:
                 sql += " AND seq < COALESCE((SELECT seq FROM batches WHERE id = ? AND owner = ?), -1)"
                 params += [after, owner]

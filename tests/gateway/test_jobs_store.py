@@ -107,6 +107,21 @@ async def test_expired_lease_is_claimed_again_and_old_runner_loses(store):
     assert not await store.renew(job.id, "r2", lease_s, time.time())
 
 
+async def test_a_finished_job_past_its_retention_is_gone_before_the_purge_runs(store):
+    """README trial 5: with a 17 s retention, a finished job was still readable 24 s later (the SQLite purge runs
+    every 5 minutes)."""
+    job = _job()
+    await store.add_jobs([job], 100)
+    claimed = await store.claim("r1", 30.0, time.time())
+    assert claimed.id == job.id
+    assert await store.finish(job.id, SUCCEEDED, time.time(), result=b"{}", retention_s=1.0)
+    assert (await store.get_job(job.id)).status == SUCCEEDED
+    assert [j.id for j in (await store.list_jobs("alice", 10, None))[0]] == [job.id]
+    await asyncio.sleep(1.3)
+    assert await store.get_job(job.id) is None
+    assert (await store.list_jobs("alice", 10, None))[0] == []
+
+
 async def test_renewed_lease_is_not_taken(store):
     job = _job()
     await store.add_jobs([job], 100)

@@ -284,6 +284,11 @@ class UpstreamClient(WorkerClient):
                                   f"upstream {self.name} ended the stream before the answer ended")
         except SluiceError as exc:
             stream._fail(exc)
+        except aiohttp.ClientPayloadError:
+            # aiohttp's text names its parser's internals (e.g. "TransferEncodingError: 400, message=…" for a
+            # chunked body cut short), which reads as an HTTP status the engine never sent
+            stream._fail(SluiceError(ErrorCode.WORKER_FAILED, f"upstream {self.name} failed: its response ended "
+                                     "before the answer did (the connection closed mid-stream)"))
         except (aiohttp.ClientError, OSError, SSEFormatError, ValueError, TimeoutError) as exc:
             stream._fail(SluiceError(ErrorCode.WORKER_FAILED, f"upstream {self.name} failed: "
                                      f"{type(exc).__name__}: {exc}"))

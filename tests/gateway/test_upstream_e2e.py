@@ -217,6 +217,7 @@ def test_engine_killed_mid_stream_is_an_in_band_error_then_the_breaker_opens_and
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])
     assert error["error"]["code"] == "worker_failed" and error["error"]["type"] == "server_error"
+    assert "TransferEncodingError" not in error["error"]["message"], error  # no parser internals (README trial 5)
 
     def readyz_says_why():
         status, body = get_json(gateway.base_url + "/readyz")

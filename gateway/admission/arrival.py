@@ -16,7 +16,6 @@ from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 
 # Retry-After, seconds, when no worker is available: about one worker reconnect / restart backoff.
-NO_WORKER_RETRY_AFTER_S = 1.0
 
 
 class ArrivalChecks:
@@ -48,10 +47,10 @@ class ArrivalChecks:
                 ticket, queue, ErrorCode.DRAINING, "The server is shutting down; retry on another instance."
             )
         if self._view.total_kv_blocks() <= 0:
-            # No rate to measure without a worker: retry after about one worker reconnect / restart backoff.
+            # no rate to measure without a worker: retry when one may be back (a breaker's probe, a reconnect)
             self.reject(
                 ticket, queue, ErrorCode.NO_WORKER, "No worker is available to serve the request.",
-                NO_WORKER_RETRY_AFTER_S,
+                self._view.no_worker_retry_after_s(),
             )
         if ticket.resume_timeout_s is not None:
             return  # a preempted request resuming was admitted once: no queue bound or pressure turns it away

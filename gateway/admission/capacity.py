@@ -48,6 +48,10 @@ class CapacityView(Protocol[ReservationT]):
     def block_size_tokens(self) -> int:
         """Return tokens per KV block."""
 
+    def no_worker_retry_after_s(self) -> float:
+        """Return when a client turned away because no worker can take requests should retry, in seconds (a
+        breaker's cooldown left when that is what holds the workers back)."""
+
     def num_serving_workers(self) -> int:
         """Return how many workers can take requests now (ready, breaker not open)."""
 

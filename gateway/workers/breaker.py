@@ -114,6 +114,12 @@ class CircuitBreaker:
         if self._state is BreakerState.HALF_OPEN:
             self._probe_in_flight = False
 
+    def seconds_until_probe(self) -> float:
+        """Return the seconds until an open breaker lets its probe through (0.0 when it is not open)."""
+        if self.state is not BreakerState.OPEN:
+            return 0.0
+        return max(0.0, self.cooldown_s - (self._clock() - self._opened_at_s))
+
     def probe_now(self) -> None:
         """Let an open breaker's probe through now instead of after its cooldown: the target answered a health
         check (an upstream engine reachable again), so the next request tests it at once."""

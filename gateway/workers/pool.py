@@ -34,6 +34,8 @@ from gateway.workers.reservation import Reservation
 from shared.config import BreakerConfig
 from shared.prefix_hash import hash_token_blocks
 
+NO_WORKER_RETRY_AFTER_S = 1.0  # Retry-After while no worker is ready (a reconnect or restart takes about this)
+
 
 class WorkerStatus(msgspec.Struct):
     """One worker as ``/status`` shows it and Prometheus exports it.
@@ -289,6 +291,14 @@ class WorkerPool:
         hashes = self._prompt_hashes(prompt_token_ids)
         return max((c.kv_booking.num_held(hashes.shareable(c.block_size_tokens)) for c in self.ready_clients()
                     if c.kv_booking.num_shared_blocks > 0), default=0)
+
+    def no_worker_retry_after_s(self) -> float:
+        """Return when a client turned away for want of a worker should retry, in seconds: the soonest probe of a
+        ready worker whose breaker is open, else :data:`NO_WORKER_RETRY_AFTER_S` (about one reconnect or restart
+        backoff of a worker that is down)."""
+        waits = [c.breaker.seconds_until_probe() for c in self.ready_clients()
+                 if c.breaker.state is BreakerState.OPEN]
+        return max(NO_WORKER_RETRY_AFTER_S, min(waits)) if waits else NO_WORKER_RETRY_AFTER_S
 
     def num_serving_workers(self) -> int:
         """Return the ready workers whose breaker is not open."""

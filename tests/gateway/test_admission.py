@@ -97,6 +97,9 @@ class FakePool:
     def num_serving_workers(self) -> int:
         return 1
 
+    def no_worker_retry_after_s(self) -> float:
+        return 1.0
+
     def num_starting_workers(self) -> int:
         return 0
 

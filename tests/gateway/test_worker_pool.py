@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.admission.controller import AdmissionController
 from gateway.fleet.pools import ElasticWorkerPool
+from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
 from gateway.workers.prefill_backlog import MIN_PREFILL_BUDGET_TOKENS
@@ -281,3 +282,20 @@ def test_a_worker_that_lost_its_connection_is_down_with_the_reason_not_starting(
         "never": ("starting", "worker never at unix:/nonexistent/never: not connected"),
         "lost": ("down", "worker lost at unix:/nonexistent/lost: down (worker closed the connection)"),
     }
+
+
+def test_no_worker_retry_after_is_the_soonest_probe_of_an_open_breaker():
+    """README trial 5: with every ready worker's breaker open, the 503 no_worker_available said Retry-After: 1 while
+    the breakers stayed open for up to their 10 s cooldown."""
+    now_s = [100.0]
+    a, b = client("a"), client("b")
+    a.breaker = CircuitBreaker(1, 10.0, clock=lambda: now_s[0])
+    b.breaker = CircuitBreaker(1, 10.0, clock=lambda: now_s[0])
+    pool = WorkerPool([a, b])
+    assert pool.no_worker_retry_after_s() == 1.0  # no breaker open
+    a.breaker.on_failure()
+    now_s[0] += 3.0
+    b.breaker.on_failure()
+    assert pool.total_kv_blocks() == 0 and pool.no_worker_retry_after_s() == 7.0  # a's probe comes first
+    now_s[0] += 6.5
+    assert pool.no_worker_retry_after_s() == 1.0  # half a second left: a reconnect's 1 s at least

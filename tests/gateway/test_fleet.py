@@ -31,8 +31,8 @@ from gateway.metrics import Metrics
 from gateway.admission.pressure import PressureLevel
 from gateway.workers.client import WorkerClient
 from shared.config import Config, effective_tiers
-from shared.protocol import Capacity, Hello
 from shared.errors import ErrorCode, SluiceError
+from tests.gateway.ready_client import ready_client
 from tests.support.server import SluiceProcess, wait_for
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -121,33 +121,11 @@ def routing_fleet() -> Fleet:
     return Fleet(config, Metrics(), spawn_local=False)
 
 
-class _Writer:
-    def write(self, data: bytes) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-
-def ready_worker(name: str) -> WorkerClient:
-    """A worker client that has said Hello (no process behind it: routing decisions only)."""
-    worker = WorkerClient(f"unix:/nonexistent/{name}", name)
-    worker.hello = Hello(worker_id=name, model_id="small-model", backend="sim", device="sim", block_size_tokens=16,
-                         num_kv_blocks=1000, kv_capacity_tokens=16_000, max_num_seqs=8, max_model_len_tokens=2048)
-    worker.capacity = Capacity(free_kv_blocks=1000, total_kv_blocks=1000, used_kv_blocks=0, cached_kv_blocks=0,
-                               num_running=0, num_waiting=0)
-    worker._writer = _Writer()  # type: ignore[assignment]
-    return worker
-
-
 async def test_route_degrades_a_tier_only_from_its_configured_pressure_level():
     fleet = routing_fleet()
     tiers = {tier.name: tier for tier in effective_tiers(fleet.config)}
     big = fleet.runtimes["big"]
-    fleet.runtimes["small"].pool.add_client(ready_worker("small-0"))
+    fleet.runtimes["small"].pool.add_client(ready_client("small-0"))
     assert fleet.model_names() == [MODEL, "small-model"]
     route = fleet.route(MODEL, tiers["free"])
     assert (route.runtime.name, route.degraded) == ("big", False)
@@ -435,7 +413,7 @@ async def test_a_degrade_pool_with_no_worker_that_can_take_the_request_is_not_us
     tiers = {tier.name: tier for tier in effective_tiers(fleet.config)}
     fleet.runtimes["big"].pressure.observe(queue_wait_s=9.0, kv_used_fraction=0.0)  # critical
     assert fleet.route(MODEL, tiers["free"]).runtime.name == "big"  # the small pool has no worker
-    worker = ready_worker("small-0")
+    worker = ready_client("small-0")
     fleet.runtimes["small"].pool.add_client(worker)
     assert fleet.route(MODEL, tiers["free"]).runtime.name == "small" and fleet.is_ready()
     for _ in range(worker.breaker.failure_threshold):

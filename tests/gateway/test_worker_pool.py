@@ -1,8 +1,8 @@
 """WorkerPool routing decisions: the prefill backlog limit that keeps the queue in the gateway.
 
 The clients are real :class:`WorkerClient` objects whose Hello / Capacity are set by hand and whose writer is a
-recorder, because these tests pin exact decisions (which worker, or none); the real connection is exercised by the
-gateway's end-to-end tests.
+recorder (:mod:`tests.gateway.ready_client`), because these tests pin exact decisions (which worker, or none); the
+real connection is exercised by the gateway's end-to-end tests.
 """
 
 from __future__ import annotations
@@ -18,29 +18,8 @@ from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
 from gateway.workers.prefill_backlog import MIN_PREFILL_BUDGET_TOKENS
 from shared.config import Config
-from shared.protocol import Capacity, Finished, Generate, Hello, SamplingParams, TokenDelta
-
-
-class RecordingWriter:
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.frames.append(data)
-
-    def is_closing(self) -> bool:
-        return False
-
-
-def client(name: str, prefill_tokens_per_s: float = 2000.0, max_num_seqs: int = 8) -> WorkerClient:
-    worker = WorkerClient(f"unix:/nonexistent/{name}", name)
-    worker.hello = Hello(worker_id=name, model_id="m", backend="sim", device="sim", block_size_tokens=16,
-                         num_kv_blocks=10_000, kv_capacity_tokens=160_000, max_num_seqs=max_num_seqs,
-                         max_model_len_tokens=8192)
-    worker.capacity = Capacity(free_kv_blocks=10_000, total_kv_blocks=10_000, used_kv_blocks=0, cached_kv_blocks=0,
-                               num_running=0, num_waiting=0, prefill_tokens_per_s=prefill_tokens_per_s)
-    worker._writer = RecordingWriter()  # type: ignore[assignment]
-    return worker
+from shared.protocol import Capacity, Finished, Generate, SamplingParams, TokenDelta
+from tests.gateway.ready_client import ready_client as client
 
 
 def prompt(num_tokens: int, salt: int = 0) -> list[int]:

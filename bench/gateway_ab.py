@@ -24,21 +24,14 @@ import statistics
 import subprocess
 from pathlib import Path
 
-import tests.support.server as server_module
 from bench.common import mt_bench_prompts, write_result
 from bench.gateway_bench import CONFIG, MODEL, bare_server, closed_loop_cpu_ms, run_client
-from tests.support.server import SluiceProcess
+from tests.support.server import REPO_ROOT, SluiceProcess
 
 
 def start_gateway(checkout: Path, config: str, workers: int) -> SluiceProcess:
-    """Start ``sluice serve`` from ``checkout``'s code (its folder is the working directory ``python -m`` imports
-    from) and wait until its workers are ready."""
-    repo_root = server_module.REPO_ROOT
-    server_module.REPO_ROOT = checkout  # read by SluiceProcess.start only
-    try:
-        return SluiceProcess(config, min_ready_workers=workers).start()
-    finally:
-        server_module.REPO_ROOT = repo_root
+    """Start ``sluice serve`` from ``checkout``'s code and wait until its workers are ready."""
+    return SluiceProcess(config, min_ready_workers=workers, code_root=checkout).start()
 
 
 def commit_of(checkout: Path) -> str:
@@ -66,7 +59,7 @@ def main() -> None:
     gateways = {"base": start_gateway(base_checkout, config, args.workers)}
     rounds = []
     try:
-        gateways["new"] = start_gateway(server_module.REPO_ROOT, config, args.workers)
+        gateways["new"] = start_gateway(REPO_ROOT, config, args.workers)
         with bare_server(prompts, args) as bare:
             for gateway in gateways.values():
                 run_client(gateway.base_url, prompts, args.client_processes, concurrency=args.concurrency,
@@ -85,7 +78,7 @@ def main() -> None:
     result = {
         "bench": "gateway_ab",
         "base": {"checkout": str(base_checkout), "commit": commit_of(base_checkout)},
-        "new": {"checkout": str(server_module.REPO_ROOT), "commit": commit_of(server_module.REPO_ROOT)},
+        "new": {"checkout": str(REPO_ROOT), "commit": commit_of(REPO_ROOT)},
         "config": {"rounds": args.rounds, "closed_requests": args.closed_requests,
                    "concurrency": args.concurrency, "client_processes": args.client_processes,
                    "workers": args.workers},

@@ -94,6 +94,8 @@ class SluiceProcess:
         port_arg: pass the port on the command line (False: the caller passes it some other way, e.g. ``env``).
         log_path: the log file (default: ``<workdir>/<command>-<port>-<start>.log``, one per start).
         inherit_sluice_env: keep the caller's ``SLUICE_*`` variables (benches that the user tunes through them).
+        code_root: the checkout whose code runs: the working directory ``python -m sluice.cli`` imports from
+            (default: this one; ``bench.gateway_ab`` runs an older checkout beside it).
     """
 
     def __init__(self, config_text: str | None = "", workdir: Path | None = None, *, args: Sequence[str] = (),
@@ -101,7 +103,7 @@ class SluiceProcess:
                  command: Literal["serve", "worker"] = "serve",
                  ready: Literal["readyz", "healthz", "none"] = "readyz", min_ready_workers: int = 1,
                  start_timeout_s: float = START_TIMEOUT_S, port_arg: bool = True, log_path: Path | None = None,
-                 inherit_sluice_env: bool = False) -> None:
+                 inherit_sluice_env: bool = False, code_root: Path = REPO_ROOT) -> None:
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix=f"sluice-{command}-")
         self.workdir = Path(workdir) if workdir is not None else Path(self._tmp.name)
         self.config_text = config_text
@@ -115,6 +117,7 @@ class SluiceProcess:
         self.port_arg = port_arg
         self.fixed_log_path = log_path
         self.inherit_sluice_env = inherit_sluice_env
+        self.code_root = code_root
         self.process: subprocess.Popen | None = None
         self.num_starts = 0
 
@@ -152,7 +155,7 @@ class SluiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env} if self.inherit_sluice_env else clean_env(self.env)
         with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=env, stdout=log_file,
+            self.process = subprocess.Popen(self.argv(), cwd=self.code_root, env=env, stdout=log_file,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
             self.wait_ready()

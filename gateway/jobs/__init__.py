@@ -18,7 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.jobs.api import JOBS, JobsService, setup_job_routes
-from gateway.jobs.batches import finalize_batch, setup_batch_routes
+from gateway.jobs.batch_finalize import finalize_batch
+from gateway.jobs.batches import setup_batch_routes
 from gateway.jobs.idle_capacity import FleetIdleCapacity
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.stores import make_store

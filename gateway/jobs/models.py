@@ -176,6 +176,8 @@ class Batch(msgspec.Struct, kw_only=True):
         errors: validation errors ``{"code", "line", "message", "param"}`` of a failed batch.
         metadata: caller's string key-value pairs.
         output_expires_after_s: retention of the output and error files in seconds (0 = the store's retention).
+        input_tokens, cached_tokens, output_tokens: the ``usage`` of the lines that succeeded, summed at
+            finalization (prompt tokens, those of them served from the prefix cache, completion tokens).
     """
 
     id: str
@@ -201,6 +203,9 @@ class Batch(msgspec.Struct, kw_only=True):
     errors: list[dict[str, Any]] = []
     metadata: dict[str, str] = {}
     output_expires_after_s: float = 0.0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
 
     @property
     def is_final(self) -> bool:
@@ -291,7 +296,7 @@ def file_view(record: FileRecord) -> dict[str, Any]:
 
 
 def batch_view(batch: Batch) -> dict[str, Any]:
-    """Return the OpenAI ``Batch`` object of a batch."""
+    """Return the OpenAI ``Batch`` object of a batch; its ``usage`` is null until the batch is final."""
     return {
         "id": batch.id,
         "object": "batch",
@@ -313,7 +318,15 @@ def batch_view(batch: Batch) -> dict[str, Any]:
         "cancelled_at": _ts(batch.cancelled_at),
         "request_counts": {"total": batch.num_total, "completed": batch.num_completed, "failed": batch.num_failed},
         "metadata": batch.metadata or None,
+        "usage": _batch_usage(batch) if batch.is_final else None,
     }
+
+
+def _batch_usage(batch: Batch) -> dict[str, Any]:
+    """OpenAI's ``BatchUsage`` object (no reasoning models here: ``reasoning_tokens`` is 0)."""
+    return {"input_tokens": batch.input_tokens, "input_tokens_details": {"cached_tokens": batch.cached_tokens},
+            "output_tokens": batch.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": batch.input_tokens + batch.output_tokens}
 
 
 def list_view(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

@@ -15,6 +15,7 @@ drop ids of expired records lazily.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -239,8 +240,8 @@ class RedisJobStore(JobStore):
         batch = await self.get_batch(batch_id)
         if batch is not None and batch.is_final:
             await self.redis.srem(self._key("open_batches"), batch_id)
-            await self.redis.expire(key, max(1, int(retention_s)))
-            await self.redis.expire(self._key("batch", batch_id, "jobs"), max(1, int(retention_s)))
+            await self.redis.expire(key, max(1, math.ceil(retention_s)))
+            await self.redis.expire(self._key("batch", batch_id, "jobs"), max(1, math.ceil(retention_s)))
         return batch
 
     async def open_batch_ids(self) -> list[str]:

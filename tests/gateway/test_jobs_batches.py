@@ -84,6 +84,7 @@ def test_openai_sdk_batch_workflow_50_real_prompts(server):
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"suite": "jobs"})
     assert batch.status in ("validating", "in_progress") and batch.request_counts.total == 50
+    assert batch.usage is None  # summed once the batch is final
     batch = _wait_final(client, batch.id, timeout_s=150)
     assert batch.status == "completed", batch
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (50, 50, 0)
@@ -108,6 +109,14 @@ def test_openai_sdk_batch_workflow_50_real_prompts(server):
         assert 1 <= completion["usage"]["completion_tokens"] <= 8
         assert completion["usage"]["prompt_tokens"] > 10
     assert num_quoting <= 5
+    # the batch's usage is its lines' usage summed
+    usages = [row["response"]["body"]["usage"] for row in output]
+    assert batch.usage is not None
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usages)
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usages)
+    assert batch.usage.input_tokens_details.cached_tokens == sum(
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
 
 
 def test_files_and_batches_are_invisible_to_another_key(server):

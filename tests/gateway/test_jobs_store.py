@@ -193,8 +193,11 @@ async def test_batch_counts_every_line_once_and_keeps_line_order(store):
     assert [job.custom_id for job in await store.batch_jobs(batch.id)] == ["r1", "r2", "r3"]
     assert await store.list_jobs("alice", 10, None) == ([], False)  # batch lines are not native jobs
     updated = await store.update_batch(batch.id, frozenset({IN_PROGRESS}), RETENTION_S, status=COMPLETED,
-                                       completed_at=now_s, output_file_id="file-out")
+                                       completed_at=now_s, output_file_id="file-out", input_tokens=120,
+                                       cached_tokens=64, output_tokens=16)
     assert updated.status == COMPLETED and updated.output_file_id == "file-out" and updated.num_completed == 1
+    stored = await store.get_batch(batch.id)
+    assert (stored.input_tokens, stored.cached_tokens, stored.output_tokens) == (120, 64, 16)
     assert await store.update_batch(batch.id, frozenset({IN_PROGRESS}), RETENTION_S, status=CANCELLED) is None
     assert await store.open_batch_ids() == []
 

@@ -205,6 +205,11 @@ class Fleet:
         """Run one autoscaler pass over every pool (see :meth:`ScalingLoop.autoscale_tick`)."""
         self.scaling.autoscale_tick()
 
+    def can_cold_start(self, runtime: PoolRuntime) -> bool:
+        """Return whether the pool has no ready worker and this gateway may start one (the job runner's gate lets
+        a job through to such a pool: :class:`gateway.jobs.idle_capacity.FleetIdleCapacity`)."""
+        return not runtime.has_ready_worker() and self.scaling.may_spawn(runtime)
+
     def check_cold_start(self, runtime: PoolRuntime, tier: str) -> None:
         """Before queueing for a pool with no ready worker: start one now; reject when it comes too late (see
         :meth:`ScalingLoop.check_cold_start`).

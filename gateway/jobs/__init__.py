@@ -54,7 +54,8 @@ async def _jobs_ctx(app: web.Application) -> AsyncIterator[None]:
     async def finalize(batch_id: str) -> None:
         await finalize_batch(service, batch_id)
 
-    capacity = FleetIdleCapacity(lambda: app[FLEET].runtimes.values(), principal.tier.name)
+    capacity = FleetIdleCapacity(lambda: app[FLEET].runtimes.values(), principal.tier.name,
+                                 lambda runtime: app[FLEET].can_cold_start(runtime))
     runner = JobRunner(store, config.jobs, execute, capacity, finalize, on_finished=app[METRICS].job_finished)
     service = JobsService(store=store, runner=runner, config=config)
     app[JOBS] = service

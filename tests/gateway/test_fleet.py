@@ -624,3 +624,44 @@ max_workers = 1
         done = wait_for(job_done, 30.0, "the job")
         assert done["status"] == "succeeded" and done["result"]["model"] == "small-model", done
         assert done["result"]["usage"]["completion_tokens"] == 4
+
+
+def test_a_job_for_a_pool_scaled_to_zero_starts_a_worker_and_runs(tmp_path):
+    """Jobs run on idle slots, and a pool scaled to zero has none: its queued jobs and batches waited for an
+    interactive request to start a worker (found by a README trial). The gate lets one job through to start it."""
+    from tests.gateway.jobs_support import http
+
+    config = f"""
+[sim]
+time_scale = {SIM_TIME_SCALE}
+
+[autoscale]
+interval_s = 0.25
+
+[jobs]
+sqlite_path = "{tmp_path / 'jobs.sqlite3'}"
+poll_interval_s = 0.05
+
+[[pools]]
+name = "sim"
+backend = "sim"
+min_workers = 0
+max_workers = 1
+scale_down_after_s = 60.0
+"""
+    with Gateway(config) as gw:
+        assert gw.pool("sim")["workers"] == {"starting": 0, "ready": 0, "draining": 0}
+        jobs = [http("POST", gw.base_url + "/v1/jobs", {
+            "model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4})[2]
+            for i in range(3)]
+        assert all(job["status"] == "queued" for job in jobs), jobs
+
+        def all_done() -> list[dict] | None:
+            found = [http("GET", gw.base_url + f"/v1/jobs/{job['id']}")[2] for job in jobs]
+            return found if all(j["status"] in ("succeeded", "failed") for j in found) else None
+
+        done = wait_for(all_done, START_TIMEOUT_S, "the jobs")
+        assert [j["status"] for j in done] == ["succeeded"] * 3, done
+        assert all(j["result"]["usage"]["completion_tokens"] == 4 for j in done)
+        reasons = [(e["action"], e["reason"]) for e in gw.status()["fleet"]["scale_events"]]
+        assert ("up", "queued_without_worker") in reasons, reasons

@@ -51,3 +51,19 @@ def test_a_pool_that_drains_or_sheds_the_jobs_tier_holds_every_job_back():
     assert gate(idle, runtime(worker(4), draining=True)).room_for_jobs() == Room(0, True)
     assert gate(idle, runtime(worker(4), shed_tiers=("batch",))).room_for_jobs() == Room(0, True)
     assert gate(idle, runtime(worker(4), shed_tiers=("free",))).room_for_jobs() == Room(12, False)
+
+
+def test_a_pool_that_can_cold_start_lets_one_job_through_when_nothing_else_gives_room():
+    scaled_to_zero = runtime()
+    cold = FleetIdleCapacity(lambda: (scaled_to_zero,), "batch", lambda r: r is scaled_to_zero)
+    assert cold.room_for_jobs() == Room(1, False)  # its admission starts the worker
+    never = FleetIdleCapacity(lambda: (scaled_to_zero,), "batch", lambda r: False)
+    assert never.room_for_jobs() == Room(0, False)  # no worker can come: the jobs wait, nothing is claimed
+    busy = runtime(worker(4, running=4))
+    both = FleetIdleCapacity(lambda: (busy, scaled_to_zero), "batch", lambda r: r is scaled_to_zero)
+    assert both.room_for_jobs() == Room(1, False)
+    idle = runtime(worker(4, running=1))
+    assert FleetIdleCapacity(lambda: (idle, scaled_to_zero), "batch",
+                             lambda r: r is scaled_to_zero).room_for_jobs() == Room(3, False)
+    waiting = runtime(queued=1)  # the job let through queues in admission: the gate closes until it is served
+    assert FleetIdleCapacity(lambda: (waiting,), "batch", lambda r: True).room_for_jobs() == Room(0, True)

@@ -6,10 +6,12 @@ Usage::
     sluice serve --worker-address 10.0.0.5:9100 --worker-address unix:/tmp/w.sock   # connect, don't spawn
 
 Graceful drain: on SIGTERM (or SIGINT) the gateway stops admitting — queued and new requests get 503
-``server_draining`` with ``Retry-After``, ``/readyz`` turns 503 — while requests already running finish, for at
-most ``gateway.drain_timeout_s``; requests still running then end with ``server_draining`` (in-band on a stream,
-then ``[DONE]``; a 503 before the first byte); then it closes the listener, cancels what is left, stops its local
-workers and exits 0. A second signal skips the rest of the drain (the requests still end that way).
+``server_draining`` with ``Retry-After``, ``/readyz`` turns 503, no job is claimed and a job queued in admission goes
+back to the job queue — while requests and jobs already running finish, for at most ``gateway.drain_timeout_s``;
+requests still running then end with ``server_draining`` (in-band on a stream, then ``[DONE]``; a 503 before the
+first byte) and jobs still running go back to the job queue without using an attempt; then it closes the listener,
+cancels what is left, stops its local workers and exits 0. A second signal skips the rest of the drain (the requests
+and jobs still end that way).
 
 The listening socket is bound before anything else starts: an address already in use (or one this machine does not
 have) ends ``sluice serve`` with one line naming it and exit status 1, before any worker is spawned.
@@ -37,6 +39,7 @@ from aiohttp import web
 
 from gateway.aio import wait_event
 from gateway.app import build_app
+from gateway.jobs.api import JOBS
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.auth import load_secret
 from shared.config import ConfigError, load_config, with_overrides
@@ -111,33 +114,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 async def drain(app: web.Application, timeout_s: float, force: asyncio.Event) -> int:
-    """Stop admitting and wait until no request is active, ``timeout_s`` passed or ``force`` is set.
+    """Stop admitting and wait until no request and no job runs, ``timeout_s`` passed or ``force`` is set.
 
     Returns:
-        The number of requests still active when the wait ended: each is ended with ``server_draining``
-        (:meth:`Fleet.fail_requests`), which its handler writes during the shutdown that follows.
+        The number of requests and jobs still running when the wait ended: each is ended with ``server_draining``
+        (:meth:`Fleet.fail_requests`), which a request's handler writes during the shutdown that follows and which
+        puts a job back in its queue (:meth:`gateway.jobs.runner.JobRunner._on_error`).
     """
     app[FLEET].start_draining()  # every pool's admission
-    metrics = app[METRICS]
+    metrics, runner = app[METRICS], app[JOBS].runner
     started_s = time.monotonic()
-    log.info("gateway_draining", active_requests=metrics.num_active_requests, drain_timeout_s=timeout_s)
-    while metrics.num_active_requests > 0 and not force.is_set():
+    log.info("gateway_draining", active_requests=metrics.num_active_requests, running_jobs=runner.num_running,
+             drain_timeout_s=timeout_s)
+    while metrics.num_active_requests + runner.num_running > 0 and not force.is_set():
         left_s = timeout_s - (time.monotonic() - started_s)
         if left_s <= 0:
             break
         await wait_event(force, min(DRAIN_POLL_INTERVAL_S, left_s))
-    active = metrics.num_active_requests
+    active_requests, running_jobs = metrics.num_active_requests, runner.num_running
     ended = 0
-    if active > 0:
+    if active_requests + running_jobs > 0:
         # what still runs ends with an error its client can read (in-band on a stream, then [DONE]; a 503 before the
         # first byte) rather than a connection cut by the shutdown's cancellation, which a client cannot tell from a
         # network fault; the handlers write it within the shutdown's SHUTDOWN_TIMEOUT_S
         ended = app[FLEET].fail_requests(SluiceError(
             ErrorCode.DRAINING, f"The server is shutting down: the request did not finish within "
             f"gateway.drain_timeout_s ({timeout_s:g} s). Retry on another instance."))
-    log.info("gateway_drained", active_requests=active, ended_with_server_draining=ended,
-             drain_s=round(time.monotonic() - started_s, 3))
-    return active
+    log.info("gateway_drained", active_requests=active_requests, running_jobs=running_jobs,
+             ended_with_server_draining=ended, drain_s=round(time.monotonic() - started_s, 3))
+    return active_requests + running_jobs
 
 
 def return_large_blocks_to_the_os() -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from tests.conftest import HELPER_EXIT_TIMEOUT_S, _alive, _child_pids
@@ -755,6 +756,44 @@ async def test_requests_still_running_when_the_drain_times_out_end_with_server_d
         assert "client_disconnected" not in outcomes and "error_in_band" in outcomes, outcomes
     finally:
         _stop_gateway(gateway)
+
+
+async def test_sigterm_lets_running_jobs_finish_within_the_drain_and_requeues_the_rest_unspent(tmp_path, http):
+    """README trial 6: the drain waited for HTTP requests only, so SIGTERM put a running job back in its queue at
+    once and threw its work away. A job that finishes within ``drain_timeout_s`` now succeeds; one still running
+    then goes back to the queue without using an attempt."""
+    from gateway.jobs.models import QUEUED, SUCCEEDED
+    from gateway.jobs.sqlite_store import SqliteJobStore
+
+    jobs_path = tmp_path / "jobs.sqlite3"
+    config = OVERLOAD_CONFIG.replace("drain_timeout_s = 10.0", "drain_timeout_s = 4.0") + f"""
+[jobs]
+sqlite_path = "{jobs_path}"
+poll_interval_s = 0.05
+idle_grace_s = 0.0
+"""
+    gateway = _start_gateway(tmp_path, config)
+    try:
+        _wait_ready(gateway)
+        ids = []
+        for max_tokens in (12, 400):  # about 1.2 s and 40 s of tokens
+            reply = await post(http, gateway.base_url, _chat(max_tokens=max_tokens, ignore_eos=True), path="/v1/jobs")
+            assert reply.status == 202, reply.body
+            ids.append(reply.json()["id"])
+        await wait_status(gateway, lambda s: tier_stats(s, "batch")["in_flight"] == 2)
+        gateway.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gateway.process.wait, 30) == 0
+    finally:
+        _stop_gateway(gateway)
+    store = SqliteJobStore(jobs_path)
+    await store.open()
+    try:
+        short, long = [await store.get_job(job_id) for job_id in ids]
+    finally:
+        await store.close()
+    assert short.status == SUCCEEDED, short
+    assert msgspec.json.decode(short.result)["usage"]["completion_tokens"] == 12
+    assert long.status == QUEUED and long.attempts == 0, long
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "exec"])

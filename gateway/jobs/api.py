@@ -182,14 +182,18 @@ def validate_request_body(config: Config, kind: str, body: dict[str, Any], serve
     return encoded
 
 
-def too_many_jobs(exc: TooManyJobsError, adding: int) -> SluiceError:
-    """The 429 of a key at ``jobs.max_jobs_per_key``; a batch larger than the limit itself is told that waiting
-    cannot help."""
-    advice = ("Wait for some to finish." if adding <= exc.limit else
-              f"A batch of {adding} lines can never fit: split it, or raise jobs.max_jobs_per_key.")
+def too_many_jobs(exc: TooManyJobsError, adding: int, retry_after_s: float) -> SluiceError:
+    """The error of a key at ``jobs.max_jobs_per_key``: 429 with ``Retry-After`` (about one job's run time, see
+    :meth:`JobRunner.retry_after_s`) while waiting for some to finish helps; 400 ``invalid_value`` for a batch larger
+    than the limit itself, which can never fit (a 429 would have clients retry it for nothing)."""
+    if adding > exc.limit:
+        return SluiceError(ErrorCode.INVALID_VALUE,
+                           f"A batch of {adding} lines can never fit: an API key may have at most {exc.limit} "
+                           f"unfinished jobs (jobs.max_jobs_per_key). Split it, or raise jobs.max_jobs_per_key.",
+                           param="input_file_id")
     return SluiceError(ErrorCode.RATE_LIMIT_EXCEEDED,
                        f"This API key has {exc.num_active} unfinished jobs; adding {adding} would pass the limit of "
-                       f"{exc.limit} (jobs.max_jobs_per_key). {advice}")
+                       f"{exc.limit} (jobs.max_jobs_per_key). Wait for some to finish.", retry_after_s=retry_after_s)
 
 
 async def _owned_job(request: web.Request) -> Job:
@@ -211,7 +215,7 @@ async def submit_job(service: JobsService, owner: str, kind: str, body: bytes, *
     """Store a new queued job and wake the runner.
 
     Raises:
-        SluiceError: 429 when the owner has ``jobs.max_jobs_per_key`` unfinished jobs.
+        SluiceError: 429 with ``Retry-After`` when the owner has ``jobs.max_jobs_per_key`` unfinished jobs.
     """
     now_s = time.time()
     job = Job(id=new_job_id(), owner=owner, kind=kind, body=body, priority=priority, metadata=metadata or {},
@@ -219,7 +223,7 @@ async def submit_job(service: JobsService, owner: str, kind: str, body: bytes, *
     try:
         await service.store.add_jobs([job], service.config.jobs.max_jobs_per_key)
     except TooManyJobsError as exc:
-        raise too_many_jobs(exc, 1) from None
+        raise too_many_jobs(exc, 1, service.runner.retry_after_s(service.config.admission.max_retry_after_s)) from None
     service.runner.notify()
     return job
 

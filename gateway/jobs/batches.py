@@ -304,7 +304,8 @@ async def create_batch(request: web.Request) -> web.Response:
         try:
             await service.store.add_jobs(jobs, service.config.jobs.max_jobs_per_key, batch=batch)
         except TooManyJobsError as exc:
-            raise too_many_jobs(exc, len(jobs)) from None
+            retry_after_s = service.runner.retry_after_s(service.config.admission.max_retry_after_s)
+            raise too_many_jobs(exc, len(jobs), retry_after_s) from None
         service.runner.notify()
     request[REQUEST_LOG].update(batch_id=batch.id, lines=batch.num_total, outcome=batch.status)
     return json_response(batch_view(batch))

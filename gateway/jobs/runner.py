@@ -25,8 +25,11 @@ expiry, leave exactly one outcome. On a clean shutdown the runner puts its runni
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -53,6 +56,8 @@ UPKEEP_INTERVAL_S = 1.0
 PURGE_INTERVAL_S = 300.0
 EXPIRE_BATCH_SIZE = 512
 TRANSIENT_BACKOFF_S = 1.0
+RUN_TIMES_KEPT = 32  # the run times of the jobs that finished last here, for Retry-After
+RETRY_AFTER_UNMEASURED_S = 5.0  # Retry-After of a full key before any job finished here (as store_unavailable's)
 STORE_ERROR_BACKOFF_S = 1.0
 
 # (kind, body JSON bytes, request id, on_admitted) → the response body (chat.completion / text_completion)
@@ -101,6 +106,7 @@ class JobRunner:
         self.num_succeeded = 0
         self.num_failed = 0
         self.num_requeued = 0
+        self._run_times_s: deque[float] = deque(maxlen=RUN_TIMES_KEPT)  # claim to success, seconds
 
     @property
     def retention_s(self) -> float:
@@ -109,6 +115,18 @@ class JobRunner:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    def retry_after_s(self, max_s: int) -> int:
+        """``Retry-After`` for a key at ``jobs.max_jobs_per_key``: the median run time (claim to success) of the
+        last :data:`RUN_TIMES_KEPT` jobs that succeeded here, rounded up, within [1, ``max_s``] (one of the key's
+        jobs is running or queued, so about that long passes before the next can be added);
+        :data:`RETRY_AFTER_UNMEASURED_S` before any did.
+
+        Args:
+            max_s: the ceiling (``admission.max_retry_after_s``).
+        """
+        measured_s = statistics.median(self._run_times_s) if self._run_times_s else RETRY_AFTER_UNMEASURED_S
+        return min(max_s, max(1, math.ceil(measured_s)))
 
     def start(self) -> None:
         """Start the claim, heartbeat and upkeep tasks."""
@@ -205,6 +223,7 @@ class JobRunner:
     # ----------------------------------------------------------------------------------------------- running
 
     async def _run(self, job: Job) -> None:
+        claimed_s = self._clock()
         request_id = uuid.uuid4().hex
         log.info("job_started", job_id=job.id, batch_id=job.batch_id or None, attempt=job.attempts,
                  request_id=request_id, runner=self.runner_id)
@@ -229,6 +248,7 @@ class JobRunner:
                                               request_id=request_id, retention_s=self.retention_s)
             if written:
                 self.num_succeeded += 1
+                self._run_times_s.append(self._clock() - claimed_s)
                 self._on_finished(SUCCEEDED)
             log.info("job_finished", job_id=job.id, status=SUCCEEDED if written else "lost_race",
                      request_id=request_id)

@@ -270,7 +270,7 @@ class RequestPipeline:
 
     async def check(self, kind: Kind, raw_body: bytes, tier: str) -> None:
         """Run the steps before admission that need no client against the configured context
-        (``model.max_model_len_tokens``): parse, tokenize, cap in ``tier``. The job endpoint's check at submission:
+        (``model.max_model_len_tokens``): parse, stop strings, tokenize, cap in ``tier``. The job endpoint's check at submission:
         a prompt that can never fit is a 400 then, not a job that fails when it runs. Not the context the ready
         workers give now: a job waits out a time when fewer or smaller workers are up.
 
@@ -278,6 +278,7 @@ class RequestPipeline:
             SluiceError: as :meth:`parse`, :meth:`tokenize` and :meth:`plan` (4xx naming the field).
         """
         body = self.parse(kind, raw_body)
+        openai_api.stop_strings(body.stop, self.config.gateway.max_stop_sequences)
         runtime = self.fleet.runtime_for_model(body.model)
         _check_servable(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens

@@ -141,6 +141,7 @@ def test_invalid_jobs_are_4xx_naming_the_field(server):
         (chat_body("hi", metadata={"k": 1}), 400, "metadata.k"),
         (chat_body("hi", temperature=9), 400, "temperature"),
         ({**chat_body("hi"), "model": "gpt-9"}, 404, "model"),
+        (chat_body("hi", stop=[f"s{i}" for i in range(9)]), 400, "stop"),  # past gateway.max_stop_sequences
         (chat_body("word " * 3000), 400, "messages"),  # past the 2048-token context: refused now, not failed later
     ]
     _, before = server.get("/v1/jobs?limit=100")
@@ -217,6 +218,7 @@ def test_unfinished_jobs_per_key_are_limited(server):
     jobs = [_submit(server, key, max_tokens=200) for _ in range(MAX_JOBS_PER_KEY)]
     status, headers, error = server.post("/v1/jobs", chat_body("one more", 4), key)
     assert status == 429 and "jobs.max_jobs_per_key" in error["error"]["message"]
+    assert int(headers["retry-after"]) >= 1  # every 429 says when to retry
     other_key = f"key-{uuid.uuid4().hex}"
     status, _, other = server.post("/v1/jobs", chat_body("another key", 4), other_key)
     assert status == 202

@@ -265,6 +265,8 @@ def test_a_batch_larger_than_the_job_limit_is_told_that_waiting_cannot_help():
     from gateway.jobs.api import too_many_jobs
     from gateway.jobs.store import TooManyJobsError
 
-    assert too_many_jobs(TooManyJobsError(1, 2), 2).message.endswith("Wait for some to finish.")
-    never = too_many_jobs(TooManyJobsError(0, 2), 3)
-    assert never.status == 429 and "can never fit" in never.message and "Wait" not in never.message
+    wait = too_many_jobs(TooManyJobsError(1, 2), 2, 7)
+    assert wait.status == 429 and wait.message.endswith("Wait for some to finish.") and wait.retry_after_s == 7
+    never = too_many_jobs(TooManyJobsError(0, 2), 3, 7)  # a 429 would have the SDK retry it for nothing
+    assert never.status == 400 and never.param == "input_file_id", never
+    assert "can never fit" in never.message and "Wait" not in never.message

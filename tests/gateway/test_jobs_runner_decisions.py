@@ -178,3 +178,23 @@ async def test_jobs_past_their_window_expire(store):
     assert await runner.expire_due() == 1
     stored = await store.get_job(late.id)
     assert stored.status == EXPIRED and stored.error["code"] == "batch_expired"
+
+
+async def test_retry_after_of_a_full_key_is_the_median_run_time_of_the_jobs_that_succeeded_here(store):
+    now = [time.time()]
+
+    class SlowExecutor(ScriptedExecutor):
+        async def __call__(self, kind, body, request_id, on_admitted):
+            now[0] += 2.0 + self.calls  # runs of 2, 3, 4 s on the runner's clock
+            return await super().__call__(kind, body, request_id, on_admitted)
+
+    jobs = [await _add(store) for _ in range(3)]
+    runner = JobRunner(store, CONFIG, SlowExecutor(), ScriptedGate(), _finalize, clock=lambda: now[0])
+    assert runner.retry_after_s(120) == 5  # nothing measured yet
+
+    async def all_succeeded() -> bool:
+        return [(await store.get_job(job.id)).status for job in jobs] == [SUCCEEDED] * 3
+
+    await _run_until(runner, all_succeeded)
+    assert runner.retry_after_s(120) == 3
+    assert runner.retry_after_s(2) == 2  # within admission.max_retry_after_s

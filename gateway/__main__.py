@@ -13,6 +13,11 @@ first byte) and jobs still running go back to the job queue without using an att
 cancels what is left, stops its local workers and exits 0. A second signal skips the rest of the drain (the requests
 and jobs still end that way).
 
+When no pool can ever serve — every pool's local workers stopped on a configuration error (a worker's exit status 2)
+before any was ready, and no remote worker or upstream exists — ``sluice serve`` does not wait on: it logs the
+workers' reasons, prints ``sluice serve: no pool can serve: <reason>`` and exits with status 2. A pool that fails so
+while others serve is reported (``/readyz``, ``/status``) and the gateway serves on.
+
 The listening socket is bound before anything else starts: an address already in use (or one this machine does not
 have) ends ``sluice serve`` with one line naming it and exit status 1, before any worker is spawned.
 
@@ -42,7 +47,7 @@ from gateway.app import build_app
 from gateway.jobs.api import JOBS
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
 from shared.auth import load_secret
-from shared.config import ConfigError, load_config, with_overrides
+from shared.config import CONFIG_ERROR_EXIT_STATUS, ConfigError, load_config, with_overrides
 from shared.errors import ErrorCode, SluiceError
 from shared.logs import configure_logging
 
@@ -202,15 +207,20 @@ def bind_listeners(host: str, port: int, reuse_port: bool) -> list[socket.socket
     return sockets
 
 
-async def serve(options: GatewayOptions, listeners: list[socket.socket]) -> None:
+async def serve(options: GatewayOptions, listeners: list[socket.socket]) -> int:
     """Run the gateway on the bound ``listeners`` until SIGINT/SIGTERM, drain, then shut down in order (listener,
-    requests, workers)."""
+    requests, workers); or, when no pool can ever serve (:meth:`Fleet.startup_failure`), shut down at once.
+
+    Returns:
+        The exit status: 0, or :data:`~shared.config.CONFIG_ERROR_EXIT_STATUS` when no pool could serve.
+    """
     config = options.config
     app = build_app(options)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     announcer: asyncio.Task[None] | None = None
+    exit_status = 0
     try:
         for sock in listeners:
             await web.SockSite(runner, sock).start()
@@ -226,13 +236,25 @@ async def serve(options: GatewayOptions, listeners: list[socket.socket]) -> None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        await stop.wait()
-        await drain(app, config.gateway.drain_timeout_s, force)
+        fleet = app[FLEET]
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(fleet.unservable.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        if stop.is_set():
+            await drain(app, config.gateway.drain_timeout_s, force)
+        else:
+            log.error("gateway_cannot_serve", reason=fleet.unservable_reason)
+            print(f"sluice serve: no pool can serve: {fleet.unservable_reason}", file=sys.stderr)
+            exit_status = CONFIG_ERROR_EXIT_STATUS
         log.info("gateway_stopping")
     finally:
         if announcer is not None:
             announcer.cancel()
         await runner.cleanup()
+    return exit_status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,10 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(options, listeners))
-    else:
-        uvloop.run(serve(options, listeners))
-    return 0
+        return asyncio.run(serve(options, listeners))
+    return uvloop.run(serve(options, listeners))
 
 
 if __name__ == "__main__":

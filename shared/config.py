@@ -701,6 +701,14 @@ class ConfigError(Exception):
     """The config file or an override is invalid; the message names the key."""
 
 
+#: The exit status of a ``sluice`` command that stops on a :class:`ConfigError` (one ``sluice <command>: …`` line on
+#: stderr). A local worker that exits with it before it is ready is not restarted: its config can never work.
+CONFIG_ERROR_EXIT_STATUS = 2
+#: Block sizes the CUDA paged-decode kernel has instances for (``SUPPORTED_BLOCK_SIZES`` of
+#: ``worker/attention/partitioned_ref.py``; ``tests/shared/test_config_validation.py`` checks that the two agree).
+CUPY_BLOCK_SIZES_TOKENS = (16, 32)
+
+
 def effective_tiers(config: Config) -> list[TierConfig]:
     """Return the configured tiers, or :data:`DEFAULT_TIERS` (vip, standard, free, batch) when none are."""
     return list(config.tiers) if config.tiers else list(DEFAULT_TIERS)
@@ -751,12 +759,32 @@ def tokenizer_model_path(config: Config) -> str:
     return resolve_model_path(config.model)
 
 
+def validate_worker_config(config: Config) -> None:
+    """Check the worker settings that can be judged without the model: the KV block size against the context
+    length, and against the kernel's instances when ``worker.attention_backend = "cupy"``. (Whether
+    ``worker.kv_cache_gib`` holds two blocks depends on the model's bytes per block: the worker checks that.)
+
+    Raises:
+        ConfigError: the message names the offending keys.
+    """
+    block_size_tokens = config.worker.block_size_tokens
+    if block_size_tokens > config.model.max_model_len_tokens:
+        raise ConfigError(f"worker.block_size_tokens = {block_size_tokens} exceeds model.max_model_len_tokens = "
+                          f"{config.model.max_model_len_tokens}: no sequence fills such a block (each holds the "
+                          "whole block, and prefix caching reuses only full ones); use 16 or 32")
+    if config.worker.attention_backend == "cupy" and block_size_tokens not in CUPY_BLOCK_SIZES_TOKENS:
+        raise ConfigError(f"worker.block_size_tokens = {block_size_tokens}: the cupy attention backend has kernels "
+                          f"for {' or '.join(map(str, CUPY_BLOCK_SIZES_TOKENS))} tokens only")
+
+
 def validate_pool_config(config: Config) -> None:
-    """Check pools, autoscaler, registry and rate-limit settings, and the tiers' ``degrade_pool`` names.
+    """Check pools, autoscaler, registry and rate-limit settings, the tiers' ``degrade_pool`` names, and the worker
+    settings local workers start with (:func:`validate_worker_config`).
 
     Raises:
         ConfigError: the message names the offending key.
     """
+    validate_worker_config(config)
     pools = effective_pools(config)
     names = [pool.name for pool in pools]
     if len(set(names)) != len(names):

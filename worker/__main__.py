@@ -27,7 +27,15 @@ import uuid
 import structlog
 
 from shared.auth import is_loopback_listen, load_secret
-from shared.config import Config, ConfigError, load_config, resolve_model_path, with_overrides
+from shared.config import (
+    CONFIG_ERROR_EXIT_STATUS,
+    Config,
+    ConfigError,
+    load_config,
+    resolve_model_path,
+    validate_worker_config,
+    with_overrides,
+)
 from shared.logs import configure_logging
 from shared.model_files import content_key
 from shared.protocol import Capacity, Hello
@@ -51,7 +59,45 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--insecure-no-secret", action="store_true",
                         help="listen beyond loopback without a shared secret: anyone who reaches the port can "
                         "generate, abort and drain (worker.allow_insecure)")
+    parser.add_argument("--exit-reason-file", default=None, metavar="PATH",
+                        help="on a configuration error, also write its one-line reason here (the gateway that "
+                        "spawned this worker reads it)")
     return parser.parse_args(argv)
+
+
+def config_error_exit(reason: str, exit_reason_path: str | None) -> int:
+    """Report a configuration error: print ``sluice worker: <reason>`` on stderr, write ``reason`` to
+    ``exit_reason_path`` when given, and return :data:`~shared.config.CONFIG_ERROR_EXIT_STATUS` (the exit status
+    after which a gateway does not restart this worker)."""
+    print(f"sluice worker: {reason}", file=sys.stderr)
+    if exit_reason_path:
+        try:
+            Path(exit_reason_path).write_text(reason + "\n")
+        except OSError as exc:
+            print(f"sluice worker: cannot write --exit-reason-file {exit_reason_path}: {exc}", file=sys.stderr)
+    return CONFIG_ERROR_EXIT_STATUS
+
+
+def check_num_kv_blocks(num_blocks: int, kv_cache_key: str, kv_cache_gib: float, block_size_tokens: int,
+                        bytes_per_block: int) -> None:
+    """Check that the KV pool holds at least 2 blocks (the scheduler needs one to grow a sequence into).
+
+    Args:
+        num_blocks: blocks that fit in the pool.
+        kv_cache_key: the key that sized the pool (``worker.kv_cache_gib``, ``sim.kv_cache_gib``).
+        kv_cache_gib: its value, GiB.
+        block_size_tokens: ``worker.block_size_tokens``.
+        bytes_per_block: bytes of one block for this model (all layers, K and V).
+
+    Raises:
+        ConfigError: fewer than 2 blocks; the message names both keys and what fixes it.
+    """
+    if num_blocks >= 2:
+        return
+    raise ConfigError(
+        f"{kv_cache_key} = {kv_cache_gib:g} holds fewer than 2 KV blocks of worker.block_size_tokens = "
+        f"{block_size_tokens} tokens ({bytes_per_block} bytes each for this model; it holds {num_blocks}): raise "
+        f"{kv_cache_key} to at least {2 * bytes_per_block / GIB:.3g} or lower worker.block_size_tokens")
 
 
 def kv_model_id(config: Config, weights_mode: str) -> str:
@@ -156,8 +202,7 @@ def _build_torch_runner(config: Config, backend: str):
     spec = model.spec
     bytes_per_block = model.kv_cache_bytes_per_block(wc.block_size_tokens, dtype)
     num_blocks = int(wc.kv_cache_gib * GIB // bytes_per_block)
-    if num_blocks < 2:
-        raise ConfigError(f"worker.kv_cache_gib = {wc.kv_cache_gib} holds fewer than 2 KV blocks")
+    check_num_kv_blocks(num_blocks, "worker.kv_cache_gib", wc.kv_cache_gib, wc.block_size_tokens, bytes_per_block)
     use_graphs = device.type == "cuda" and wc.cuda_graphs
     # with CUDA graphs, one spare block (id num_blocks) takes the padding rows' K/V writes
     kv_cache = model.allocate_kv_cache(num_blocks + int(use_graphs), wc.block_size_tokens)
@@ -192,6 +237,8 @@ def build_worker(config: Config, worker_id: str, secret: bytes | None = None):
         from worker.backends.sim import build_sim_runner
 
         runner, spec, num_blocks, device_name, attention_name = build_sim_runner(config)
+        check_num_kv_blocks(num_blocks, "sim.kv_cache_gib", config.sim.kv_cache_gib, wc.block_size_tokens,
+                            config.sim.kv_bytes_per_token * wc.block_size_tokens)
         weights = "sim"
         offload = block_copier = None  # the simulator has no KV tensor to move
         log.warning("simulator_backend", worker_id=worker_id, model=config.model.name, device=device_name,
@@ -267,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.backend:
             config = with_overrides(config, worker={"backend": args.backend})
+        validate_worker_config(config)
         secret = load_secret(config.worker)
     except ConfigError as exc:
-        print(f"sluice worker: {exc}", file=sys.stderr)
-        return 2
+        return config_error_exit(str(exc), args.exit_reason_file)
     advertise = None
     if args.registry:
         from worker.registry import WorkerRegistration, resolve_advertise
@@ -278,23 +325,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             advertise = resolve_advertise(args.listen, args.advertise)
         except ConfigError as exc:
-            print(f"sluice worker: {exc}", file=sys.stderr)
-            return 2
+            return config_error_exit(str(exc), args.exit_reason_file)
     allow_insecure = args.insecure_no_secret or config.worker.allow_insecure
     if secret is None and not is_loopback_listen(args.listen):
         if not allow_insecure:
-            print(f"sluice worker: --listen {args.listen} is reachable from other machines and no shared secret is "
-                  "set: set worker.secret_file (or SLUICE_WORKER__SECRET), or pass --insecure-no-secret",
-                  file=sys.stderr)
-            return 2
+            return config_error_exit(f"--listen {args.listen} is reachable from other machines and no shared "
+                                     "secret is set: set worker.secret_file (or SLUICE_WORKER__SECRET), or pass "
+                                     "--insecure-no-secret", args.exit_reason_file)
         log.warning("worker_insecure_no_secret", listen=args.listen,
                     note="anyone who reaches this port can generate, abort and drain")
     worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
         server = build_worker(config, worker_id, secret)
     except ConfigError as exc:
-        print(f"sluice worker: {exc}", file=sys.stderr)
-        return 2
+        return config_error_exit(str(exc), args.exit_reason_file)
     async def run() -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

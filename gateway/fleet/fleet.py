@@ -100,7 +100,11 @@ class Fleet:
                                 preload_modules(pool.backend for pool in self._pool_configs
                                                 if pool.backend != "openai"))
         self.local = LocalProcesses(config, metrics, self.meter, spawner, clock, config_path, self._on_cold_start,
-                                    self.kick, secret=self._worker_secret)
+                                    self._on_local_exit, secret=self._worker_secret)
+        self._any_local_ready = False
+        # set once no pool can ever serve (see startup_failure); `sluice serve` then exits with the reason
+        self.unservable = asyncio.Event()
+        self.unservable_reason: str | None = None
         self._spawner = spawner
         self._owned_limiter = limiter is None
         self.limiter = limiter if limiter is not None else self._make_limiter(config)
@@ -225,8 +229,34 @@ class Fleet:
         return self.scaling.scale_events
 
     def _on_cold_start(self, pool: str, cold_start_s: float) -> None:
+        self._any_local_ready = True
         self.autoscaler.record_cold_start(pool, cold_start_s)
         self.cold_start_hist.labels(pool).observe(cold_start_s)
+
+    def _on_local_exit(self) -> None:
+        self.kick()
+        reason = self.startup_failure()
+        if reason is not None and not self.unservable.is_set():
+            self.unservable_reason = reason
+            self.unservable.set()
+
+    def startup_failure(self) -> str | None:
+        """Return why no pool can ever serve, when that is known at start: every pool's local workers stopped on a
+        configuration error before any local worker was ready, and no pool has a remote worker or upstream (nor a
+        registry that could bring one); else None. Later, a pool whose workers stop so keeps serving what it
+        can and reports why (``/readyz``, ``/status``)."""
+        if self._any_local_ready or self.config.registry.redis_url:
+            return None
+        if any(runtime.config_error is None or runtime.remote or runtime.pool.clients
+               for runtime in self.runtimes.values()):
+            return None
+        return "; ".join(f"pool {runtime.name}: {runtime.config_error}" for runtime in self.runtimes.values())
+
+    def config_errors(self) -> dict[str, str]:
+        """Return, by pool, why its local workers are no longer started (a configuration error), for pools where
+        one stopped so."""
+        return {name: runtime.config_error for name, runtime in self.runtimes.items()
+                if runtime.config_error is not None}
 
     def runtime_for_model(self, model: str) -> PoolRuntime:
         """Return the pool serving ``model``.

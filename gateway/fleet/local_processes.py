@@ -4,6 +4,11 @@
 A scale-down never aborts a request: the worker is marked draining in the gateway (no new reservation), sent the
 protocol's ``Drain``, and stopped (SIGTERM) only once every request of this gateway on it has ended.
 
+A worker that exits with :data:`~shared.config.CONFIG_ERROR_EXIT_STATUS` before it is ready stopped on its
+configuration, which no restart changes: its pool starts no local worker again in this run, and the worker's
+one-line reason (``--exit-reason-file``) is logged once and shown by ``/readyz`` and ``/status``. Any other exit
+before Hello (another status, a signal, a start timeout) is retried with an exponential backoff.
+
 Every local worker requires the shared secret (``shared.auth``): the configured ``worker.secret``, else a random one
 made for this gateway run, handed over in its environment (``SLUICE_WORKER__SECRET``), never on its command line.
 """
@@ -29,7 +34,7 @@ from gateway.workers.client import WorkerClient
 from gateway.workers.connector import FIRST_CONNECT_INTERVAL_S
 from gateway.workers.pool import WorkerPool
 from shared.auth import new_secret
-from shared.config import Config, PoolConfig
+from shared.config import CONFIG_ERROR_EXIT_STATUS, Config, PoolConfig
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -40,6 +45,8 @@ DRAIN_DISPATCH_WAIT_S = 2.0
 # Longest pause before a new spawn after workers of a pool kept failing to start, seconds.
 MAX_SPAWN_BACKOFF_S = 60.0
 _UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+# Longest reason read from a worker's --exit-reason-file, characters.
+MAX_EXIT_REASON_CHARS = 2000
 
 
 def detect_gpu_ids() -> list[str]:
@@ -49,6 +56,22 @@ def detect_gpu_ids() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def exit_reason_path(lw: LocalWorker) -> str:
+    """Return the file a local worker writes the reason of a configuration error to (beside its socket)."""
+    return lw.socket_path.removesuffix(".sock") + ".exit-reason"
+
+
+def read_exit_reason(lw: LocalWorker) -> str | None:
+    """Return the one-line reason the worker wrote on a configuration error (at most
+    :data:`MAX_EXIT_REASON_CHARS`), or None when it wrote none (e.g. it died before it parsed its arguments)."""
+    try:
+        with open(exit_reason_path(lw), encoding="utf-8", errors="replace") as f:
+            reason = f.read(MAX_EXIT_REASON_CHARS).strip()
+    except OSError:
+        return None
+    return reason or None
 
 
 def _toml_string(value: str) -> str:
@@ -110,7 +133,7 @@ class LocalProcesses:
     def spawn(self, runtime: PoolRuntime) -> bool:
         """Start one local worker for the pool; False when none may start now (no device free, backoff)."""
         now_s = self._clock()
-        if self.closing or now_s < runtime.spawn_blocked_until_s:
+        if self.closing or runtime.config_error is not None or now_s < runtime.spawn_blocked_until_s:
             return False
         device = None
         devices = self._pool_devices(runtime)
@@ -156,13 +179,16 @@ class LocalProcesses:
 
     def worker_args(self, lw: LocalWorker) -> list[str]:
         """Return the arguments of a local worker (after ``sluice worker``)."""
-        argv = ["--listen", f"unix:{lw.socket_path}", "--worker-id", lw.worker_id]
+        argv = ["--listen", f"unix:{lw.socket_path}", "--worker-id", lw.worker_id,
+                "--exit-reason-file", exit_reason_path(lw)]
         if self.config_path:
             argv += ["--config", self.config_path]
         return argv
 
     async def _run_local(self, runtime: PoolRuntime, lw: LocalWorker) -> None:
         """Spawn the worker, wait for its Hello (the cold start), then supervise it until it exits."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(exit_reason_path(lw))  # a stale one (an earlier gateway of the same pid) is not this worker's
         try:
             try:
                 lw.process = await self._spawner.spawn(self.worker_args(lw),
@@ -180,7 +206,9 @@ class LocalProcesses:
             if await self._wait_hello(lw, max(FIRST_CONNECT_INTERVAL_S, timeout_s - waited_s)):
                 self._on_ready(runtime, lw)
             returncode = await lw.process.wait()
-            if not lw.stopping:
+            if not lw.stopping and returncode == CONFIG_ERROR_EXIT_STATUS and lw.cold_start_s is None:
+                self._config_failed(runtime, lw, await asyncio.to_thread(read_exit_reason, lw))
+            elif not lw.stopping:
                 log.error("local_worker_exited", pool=runtime.name, worker_id=lw.worker_id, returncode=returncode,
                           state=lw.state.value)
                 if lw.cold_start_s is None:
@@ -248,13 +276,27 @@ class LocalProcesses:
         log.warning("local_worker_spawn_backoff", pool=runtime.name, failures=runtime.spawn_failures,
                     backoff_s=backoff_s)
 
+    def _config_failed(self, runtime: PoolRuntime, lw: LocalWorker, reason: str | None) -> None:
+        """Stop starting local workers of the pool: one exited on its configuration, which a restart repeats."""
+        if runtime.config_error is not None:
+            return  # its siblings, started together, said the same
+        runtime.config_error = reason or (f"exited with status {CONFIG_ERROR_EXIT_STATUS} (a configuration error) "
+                                          "before it was ready; its 'sluice worker:' log line says why")
+        runtime.last_start_failure = (f"local worker {lw.worker_id} stopped on a configuration error, not restarted: "
+                                      f"{runtime.config_error}")
+        log.error("local_worker_config_error", pool=runtime.name, worker_id=lw.worker_id,
+                  returncode=CONFIG_ERROR_EXIT_STATUS, reason=runtime.config_error,
+                  restart="none: fix the config and restart the gateway")
+        runtime.admission.on_capacity_changed()  # no capacity is coming: queued requests need not wait for it
+
     def _forget_local(self, runtime: PoolRuntime, lw: LocalWorker) -> None:
         if runtime.local.pop(lw.worker_id, None) is None:
             return
         runtime.pool.remove_client(lw.client)
         self.meter.stopped(runtime.name, lw.worker_id)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lw.socket_path)
+        for path in (lw.socket_path, exit_reason_path(lw)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     async def drain_and_stop(self, runtime: PoolRuntime, lw: LocalWorker) -> None:
         """Take no new request on the worker, let the running ones end, then stop its process.

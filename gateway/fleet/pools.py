@@ -130,6 +130,8 @@ class PoolRuntime:
         spawn_failures: consecutive local workers that failed to start.
         spawn_blocked_until_s: no spawn before this monotonic time (backoff after failures).
         last_start_failure: why the last local worker that failed to start did (None once one starts).
+        config_error: why a local worker of the pool stopped on a configuration error before it was ready (the
+            worker's own one-line reason); once set, no local worker of the pool is started again in this run.
         degraded_in: requests of each tier sent here instead of their own pool.
         starts_by_index: local workers started in each slot so far.
         service_rate_per_worker_tokens_per_s: the last known expected work tokens/s one worker drains (admission's
@@ -147,6 +149,7 @@ class PoolRuntime:
     spawn_failures: int = 0
     spawn_blocked_until_s: float = 0.0
     last_start_failure: str | None = None
+    config_error: str | None = None
     degraded_in: Counter[str] = field(default_factory=Counter)
     starts_by_index: Counter[int] = field(default_factory=Counter)
     service_rate_per_worker_tokens_per_s: float = 0.0

@@ -67,7 +67,8 @@ class FleetReport:
         return merge_admission_stats(stats, self._default.name)
 
     def snapshot(self) -> dict[str, Any]:
-        """Return pools (workers by state, worker-seconds, cost, cold starts, degraded requests), scale events,
+        """Return pools (workers by state, worker-seconds, cost, cold starts, degraded requests, the configuration
+        error that stopped its local workers), scale events,
         and the autoscaler's recent decisions (for ``/status``)."""
         scaler = self._autoscaler.snapshot()
         pools: dict[str, Any] = {}
@@ -97,6 +98,7 @@ class FleetReport:
                 "num_cold_starts": scaler["pools"][name]["num_cold_starts"],
                 "pressure": runtime.pressure.level.label,
                 "degraded_requests_in": dict(runtime.degraded_in),
+                "config_error": runtime.config_error,
             }
         return {
             "autoscale_enabled": self._config.autoscale.enabled,

@@ -84,7 +84,9 @@ class ScalingLoop:
         return config.max_workers if self.config.autoscale.enabled else config.min_workers
 
     def may_spawn(self, runtime: PoolRuntime) -> bool:
-        return self.spawn_local and not self._local.closing and self.max_local(runtime) > 0
+        """Return whether the pool may start local workers (not after one stopped on a configuration error)."""
+        return (self.spawn_local and not self._local.closing and self.max_local(runtime) > 0
+                and runtime.config_error is None)
 
     def kick(self) -> None:
         """Run the autoscaler now instead of at the next interval."""
@@ -107,7 +109,8 @@ class ScalingLoop:
         if not runtime.local and not self.may_spawn(runtime):
             if runtime.pool.clients:
                 return  # remote workers (re)connecting: admission decides
-            raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.",
+            why = f" Its local workers are not started: {runtime.config_error}" if runtime.config_error else ""
+            raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.{why}",
                               retry_after_s=self._clamp_retry_after(1.0))
         observation = self._observe(runtime, extra_queued=1)
         wait_s = self.autoscaler.predicted_wait_s(observation)

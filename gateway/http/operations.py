@@ -56,6 +56,9 @@ async def readyz(request: web.Request) -> web.Response:
     """``GET /readyz``: 200 once a worker said Hello — or when a pool scales from zero and can start one (requests
     wait through its cold start) — else 503 (also while draining, so balancers stop sending).
 
+    A pool whose local workers stopped on a configuration error is named with the error: in the 503's message,
+    or in the 200's ``pool_config_errors`` while other pools serve.
+
     ``GET /readyz?deep=1`` also has every ready worker generate one token (``gateway.fleet.deep_ready``, cached
     for a few seconds): 503 ``worker_not_generating`` naming each connected worker that cannot, and why; the 200
     lists the workers that generated (``generated``).
@@ -76,6 +79,9 @@ async def readyz(request: web.Request) -> web.Response:
         why = "; ".join(reasons) if reasons else "no worker configured"
         raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready yet: {why}", retry_after_s=1)
     body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}
+    config_errors = fleet.config_errors()
+    if config_errors:  # other pools serve; these never will in this run
+        body["pool_config_errors"] = config_errors
     if request.query.get("deep", "").lower() in ("1", "true", "yes"):
         probes = await request.app[DEEP_READY].check()
         failed = [probe.reason for probe in probes if not probe.ok]

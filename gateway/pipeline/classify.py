@@ -11,42 +11,16 @@
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
-import msgspec
-
-from shared.config import ApiKeyConfig, Config, ConfigError, TierConfig, effective_tiers, validate_admission_config
+from shared.config import ApiKeyConfig, Config, TierConfig, effective_tiers, validate_admission_config
+from shared.config_checks import index_api_keys, load_api_keys
 from shared.errors import ErrorCode, SluiceError
 
 ANONYMOUS_TENANT = "anonymous"
 # OpenAI ``service_tier`` values that never change the tier (asking for more than one has is not an error).
 _KEEP_TIER_VALUES = frozenset({"auto", "default", "priority", "scale"})
 _LOWEST_TIER_VALUES = frozenset({"flex"})
-
-
-class _KeysFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    api_keys: list[ApiKeyConfig] = []
-
-
-def load_api_keys(config: Config) -> list[ApiKeyConfig]:
-    """Return ``config.api_keys`` plus the keys of ``admission.keys_file`` (read once, at start).
-
-    Raises:
-        ConfigError: the keys file is missing, not TOML, or has an unknown key; the message names it.
-    """
-    keys = list(config.api_keys)
-    path_str = config.admission.keys_file
-    if not path_str:
-        return keys
-    path = Path(path_str)
-    try:
-        raw = tomllib.loads(path.read_text())
-        keys.extend(msgspec.convert(raw, _KeysFile).api_keys)
-    except (OSError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
-        raise ConfigError(f"admission.keys_file {path}: {exc}") from exc
-    return keys
 
 
 @dataclass(frozen=True)
@@ -79,8 +53,8 @@ class TierResolver:
             off the event loop or before it runs).
 
     Raises:
-        ConfigError: inconsistent tiers/keys (see :func:`shared.config.validate_admission_config`) or a key listed
-            twice.
+        ConfigError: inconsistent tiers/keys (see :func:`shared.config.validate_admission_config` and
+            :func:`shared.config_checks.index_api_keys`).
     """
 
     def __init__(self, config: Config, api_keys: list[ApiKeyConfig] | None = None) -> None:
@@ -88,14 +62,7 @@ class TierResolver:
         self._config = config
         self._tiers: dict[str, TierConfig] = {tier.name: tier for tier in effective_tiers(config)}
         self._lowest_tier = min(self._tiers.values(), key=lambda tier: tier.priority)
-        keys = load_api_keys(config) if api_keys is None else api_keys
-        self._keys: dict[str, ApiKeyConfig] = {}
-        for entry in keys:
-            if entry.tier not in self._tiers:
-                raise ConfigError(f"api key of tenant {entry.tenant!r}: unknown tier {entry.tier!r}")
-            if entry.key in self._keys:
-                raise ConfigError(f"api key of tenant {entry.tenant!r} is listed twice")
-            self._keys[entry.key] = entry
+        self._keys = index_api_keys(config, load_api_keys(config) if api_keys is None else api_keys)
         self.tier_header = config.admission.tier_header
 
     def tier(self, name: str) -> TierConfig:

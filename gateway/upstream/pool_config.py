@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from gateway.upstream.client import UpstreamClient
 from gateway.workers.breaker import CircuitBreaker
-from shared.config import Config, ConfigError, PoolConfig, effective_tiers
+from shared.config import Config, PoolConfig, effective_tiers
+from shared.config_checks import upstream_api_key
 from shared.protocol import Capacity
-
-
-def upstream_api_key(pool: PoolConfig) -> str:
-    """Return the bearer token for the pool's upstreams: ``api_key``, else the variable ``api_key_env`` names.
-
-    Raises:
-        ConfigError: ``api_key_env`` names a variable that is not set.
-    """
-    if pool.api_key or not pool.api_key_env:
-        return pool.api_key
-    value = os.environ.get(pool.api_key_env)
-    if value is None:
-        raise ConfigError(f"pools[{pool.name}].api_key_env: the variable {pool.api_key_env} is not set")
-    return value
 
 
 def make_upstream_client(pool: PoolConfig, url: str, name: str, config: Config,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from shared.config import Config, load_config
 from shared.config_reference import ConfigKey, attribute_docs, config_keys, config_toml_keys, render_markdown
 from sluice.config_cmd import main as config_main
+from tests.shared.test_config_validation import BROKEN_AT_START
 
 ROOT = Path(__file__).resolve().parents[2]
 REGENERATE = "regenerate with: .venv/bin/sluice config --reference --output docs/config.md"
@@ -95,3 +97,28 @@ def test_sluice_config_check_refuses_what_serve_refuses_and_names_every_pool(tmp
     out = capsys.readouterr().out
     assert "sim (SmolLM2-135M-Instruct, 0-4 local worker(s), backend sim)" in out
     assert "vllm (big, 1 upstream(s), engine vllm)" in out
+
+
+@pytest.mark.parametrize("text, files, message", BROKEN_AT_START)
+def test_sluice_config_check_runs_the_checks_serve_runs_at_start(tmp_path, monkeypatch, capsys, text, files,
+                                                                   message):
+    """Duplicate keys, the keys file, an unset ``api_key_env``, a local model path that does not exist, a
+    ``*_by_tier`` map naming no tier: the check fails with the line ``serve`` stops with (it said "config ok")."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DEFINITELY_NOT_SET_XYZ", raising=False)
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    (tmp_path / "config.toml").write_text(text)
+    assert config_main(["--check", "--config", "config.toml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"sluice config: {message}") and err.count("\n") == 1, err
+
+
+def test_sluice_config_check_passes_a_hub_model_id_and_a_set_api_key_env(tmp_path, monkeypatch, capsys):
+    """What the check cannot judge without the network (a hub id) passes; a variable that is set passes."""
+    monkeypatch.setenv("UPSTREAM_TOKEN_FOR_TEST", "t0ken")
+    path = tmp_path / "config.toml"
+    path.write_text('[model]\npath = "HuggingFaceTB/SmolLM2-135M-Instruct"\n\n[[pools]]\nname = "u"\n'
+                    'backend = "openai"\nupstreams = ["http://127.0.0.1:9"]\napi_key_env = "UPSTREAM_TOKEN_FOR_TEST"\n')
+    assert config_main(["--check", "--config", str(path)]) == 0
+    assert "config ok" in capsys.readouterr().out

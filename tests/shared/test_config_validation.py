@@ -12,7 +12,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.config import Config, ConfigError, JobsConfig, default_jobs_sqlite_path, load_config, with_overrides
+from shared.config import (
+    Config,
+    ConfigError,
+    JobsConfig,
+    default_jobs_sqlite_path,
+    load_config,
+    validate_admission_config,
+    with_overrides,
+)
 from tests.conftest import REPO_ROOT
 
 
@@ -303,3 +311,65 @@ def test_a_pressure_level_table_may_leave_out_thresholds(tmp_path):
     elevated = load_config(path, environ={"SLUICE_PRESSURE__ELEVATED__ENTER_QUEUE_WAIT_S": "3.5"}).pressure.elevated
     assert elevated.enter_queue_wait_s == 3.5
     assert elevated.enter_kv_used_fraction == Config().pressure.elevated.enter_kv_used_fraction
+
+
+# ------------------------------------------------------------------------------------------------ tier names
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[kv]\nmax_cache_ttl_s_by_tier = { gold = 5.0 }\n", "kv.max_cache_ttl_s_by_tier"),
+    ("[pressure.elevated]\nmax_tokens_by_tier = { gold = 5 }\n", "pressure.elevated.max_tokens_by_tier"),
+    ("[pressure.critical]\nqueue_timeout_s_by_tier = { gold = 5.0 }\n", "pressure.critical.queue_timeout_s_by_tier"),
+    ('[pressure.critical]\nshed_tiers = ["gold"]\n', "pressure.critical.shed_tiers"),
+])
+def test_every_by_tier_map_rejects_a_name_that_is_no_tier(tmp_path, text, key):
+    config = load_config(write(tmp_path, text), environ={})
+    with pytest.raises(ConfigError) as info:
+        validate_admission_config(config)
+    assert str(info.value) == f"{key}: unknown tiers ['gold']; tiers are ['vip', 'standard', 'free', 'batch']"
+
+
+def test_a_by_tier_map_may_name_custom_tiers(tmp_path):
+    config = load_config(write(tmp_path, 'default_tier = "gold"\n\n[[tiers]]\nname = "gold"\n\n'
+                                         "[kv]\nmax_cache_ttl_s_by_tier = { gold = 5.0 }\n"), environ={})
+    validate_admission_config(config)  # and the default pressure levels, which name the default tiers, pass too
+    assert config.kv.max_cache_ttl_s_by_tier == {"gold": 5.0}
+
+
+# ---------------------------------------------------------------------------- sluice serve: checks at start
+
+
+BROKEN_AT_START = [  # (config, other files beside it, the start of the one-line message, which names the key)
+    pytest.param('[[api_keys]]\nkey = "k"\ntenant = "x"\ntier = "vip"\n\n[[api_keys]]\nkey = "k"\ntenant = "y"\n'
+                 'tier = "free"\n', {}, "api_keys[1].key: the key of tenant 'y' is listed twice (also api_keys[0])",
+                 id="duplicate-key"),
+    pytest.param('[admission]\nkeys_file = "/nonexistent/keys.toml"\n', {},
+                 "admission.keys_file /nonexistent/keys.toml: ", id="missing-keys-file"),
+    pytest.param('[admission]\nkeys_file = "keys.toml"\n',
+                 {"keys.toml": '[[api_keys]]\nkey = "k"\ntenant = "t"\ntier = "gold"\n'},
+                 "admission.keys_file keys.toml: api_keys[0].tier: 'gold' (tenant 't') is not a tier",
+                 id="unknown-tier-in-keys-file"),
+    pytest.param('[[pools]]\nname = "u"\nbackend = "openai"\nupstreams = ["http://127.0.0.1:9"]\n'
+                 'api_key_env = "DEFINITELY_NOT_SET_XYZ"\n', {},
+                 "pools[u].api_key_env: the variable DEFINITELY_NOT_SET_XYZ is not set", id="unset-api-key-env"),
+    pytest.param('[model]\npath = "/nonexistent/model.gguf"\n', {},
+                 "model.path: '/nonexistent/model.gguf' does not exist", id="missing-model-path"),
+    pytest.param("[kv]\nmax_cache_ttl_s_by_tier = { gold = 5.0 }\n", {},
+                 "kv.max_cache_ttl_s_by_tier: unknown tiers ['gold']", id="kv-ttl-unknown-tier"),
+]
+
+
+@pytest.mark.parametrize("text, files, message", BROKEN_AT_START)
+def test_serve_refuses_what_only_start_checks_in_one_line_exit_2(tmp_path, text, files, message):
+    """Keys, the keys file, upstream tokens, model paths and tier names: ``serve`` stops with one line naming the key
+    (before, a 28-line traceback), before it binds its port or loads a model."""
+    for name, content in files.items():
+        write(tmp_path, content, name)
+    path = write(tmp_path, text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") and k != "DEFINITELY_NOT_SET_XYZ"}
+    # port 1 cannot be bound: should the check ever be missed, the gateway fails fast instead of serving
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--config", str(path), "--port", "1"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"sluice serve: {message}") and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr and "gateway_listening" not in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from sluice import __version__
 from sluice.cli import _SUBCOMMANDS, main
 
@@ -28,3 +30,25 @@ def test_unknown_command_names_the_valid_ones(capsys):
     assert main(["srve"]) == 2
     err = capsys.readouterr().err
     assert "'srve'" in err and "serve" in err and "sluice --help" in err
+
+
+def test_serve_reports_a_config_error_found_while_the_gateway_starts_in_one_line(tmp_path, monkeypatch, capsys):
+    """What only the running gateway finds (``sluice serve`` checks the rest before it binds) still ends in one
+    line and exit status 2, not a traceback."""
+    import types
+
+    import gateway.__main__ as serve_main
+    from shared.config import ConfigError
+
+    def run(coro):  # stands in for uvloop.run: no event loop, so pytest's own loop and logging stay as they are
+        coro.close()
+        raise ConfigError("pools[u].api_key_env: the variable X is not set")
+
+    monkeypatch.chdir(tmp_path)  # no config.toml: the defaults
+    monkeypatch.delenv("SLUICE_CONFIG", raising=False)
+    monkeypatch.setitem(sys.modules, "uvloop", types.SimpleNamespace(run=run))
+    monkeypatch.setattr(serve_main, "configure_logging", lambda: None)
+    monkeypatch.setattr(serve_main, "bind_listeners", lambda host, port, reuse_port: [])
+    monkeypatch.setattr(serve_main, "return_large_blocks_to_the_os", lambda: None)  # leave pytest's malloc alone
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err == "sluice serve: pools[u].api_key_env: the variable X is not set\n"

@@ -1,0 +1,72 @@
+"""The checks ``sluice serve`` and ``sluice config --check`` run at start (shared/config_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.config import (
+    AdmissionConfig,
+    ApiKeyConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    PoolConfig,
+    looks_like_local_path,
+    resolve_model_path,
+)
+from shared.config_checks import check_config, index_api_keys, load_api_keys, upstream_api_key
+
+
+@pytest.mark.parametrize("path, local", [
+    ("/models/m.gguf", True),
+    ("./m", True),
+    ("../models/m", True),
+    ("~/m", True),
+    ("models/m.gguf", True),  # the loaders read GGUF files from disk only
+    ("models/smollm/base", True),  # a hub id has at most one "/"
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", False),
+    ("gpt2", False),
+])
+def test_a_path_looks_local_unless_it_may_be_a_hub_id(path, local):
+    assert looks_like_local_path(path) is local
+
+
+def test_a_missing_local_model_path_names_the_key_and_a_hub_id_passes(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^model.path: '/nonexistent/m.gguf' does not exist$"):
+        resolve_model_path(ModelConfig(path="/nonexistent/m.gguf"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"relative to the working directory {tmp_path}"):
+        resolve_model_path(ModelConfig(path="./m.gguf"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert resolve_model_path(ModelConfig(path="./m.gguf")) == "./m.gguf"
+    assert resolve_model_path(ModelConfig(path="org/name")) == "org/name"
+
+
+def test_check_config_names_the_pool_field_of_a_missing_path_and_skips_a_synthetic_models_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"^pools\[1\].tokenizer: "):
+        check_config(Config(pools=[PoolConfig(name="a", backend="sim"),
+                                   PoolConfig(name="b", backend="sim", tokenizer=str(tmp_path / "nope"))]))
+    check_config(Config(model=ModelConfig(path="/nonexistent/m.gguf", synthetic="llama-3-tiny")))
+
+
+def test_a_key_listed_in_the_config_and_in_the_keys_file_names_both(tmp_path):
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text('[[api_keys]]\nkey = "other"\ntenant = "o"\ntier = "free"\n\n'
+                         '[[api_keys]]\nkey = "sk-1"\ntenant = "b"\ntier = "free"\n')
+    config = Config(admission=AdmissionConfig(keys_file=str(keys_file)),
+                    api_keys=[ApiKeyConfig(key="sk-1", tenant="a", tier="vip")])
+    with pytest.raises(ConfigError) as info:
+        index_api_keys(config, load_api_keys(config))
+    assert str(info.value) == (f"admission.keys_file {keys_file}: api_keys[1].key: the key of tenant 'b' is listed "
+                               f"twice (also api_keys[0])")
+    assert "sk-1" not in str(info.value)  # the secret stays out of logs
+
+
+def test_upstream_api_key_reads_the_variable_it_names():
+    pool = PoolConfig(name="u", backend="openai", upstreams=["http://h"], api_key_env="TOKEN")
+    assert upstream_api_key(pool, {"TOKEN": "t"}) == "t"
+    with pytest.raises(ConfigError, match=r"^pools\[u\].api_key_env: the variable TOKEN is not set$"):
+        upstream_api_key(pool, {})
+    with pytest.raises(ConfigError, match="TOKEN is not set"):
+        check_config(Config(pools=[pool]), environ={})
+    check_config(Config(pools=[pool]), environ={"TOKEN": "t"})

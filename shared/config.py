@@ -93,9 +93,10 @@ class GatewayConfig(_Section):
             process that imported the worker's modules once, when the gateway started (a sim worker's cold start
             on a busy 2-core machine: 1.1–1.8 s exec'd, see the module for what forked ones take); ``exec`` runs
             ``python -m sluice.cli worker`` in a new interpreter.
-        drain_timeout_s: on SIGTERM, how long requests already running may take to finish (new ones get 503
-            ``server_draining``) before the gateway stops its workers and exits; those still running then end with
-            ``server_draining`` (in-band, then ``[DONE]``, on a stream; a job goes back to its queue).
+        drain_timeout_s: on SIGTERM, how long requests and jobs already running may take to finish (new ones get
+            503 ``server_draining``) before the gateway stops its workers and exits; those still running then end
+            with ``server_draining`` (in-band, then ``[DONE]``, on a stream; a job goes back to its queue without
+            using an attempt).
         reuse_port: listen with ``SO_REUSEPORT``, so several gateway processes on one machine share ``port`` and
             the kernel spreads new connections over them (each answers with its own ``x-sluice-gateway``; they
             share rate limits and tier counters through ``[ratelimit]``'s Redis).

@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.pipeline import openai_api
+from gateway.pipeline.classify import check_tier_hint
 from gateway.jobs.models import (
     COMPLETION_WINDOW_S,
     KIND_CHAT,
@@ -46,7 +47,7 @@ from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, TooManyJobsError
 from gateway.jobs.stores import STORE_UNAVAILABLE_ERRORS
 from gateway.state import CONFIG, FLEET, PIPELINE, REQUEST_LOG, RESOLVER
-from shared.config import Config, TierConfig, lowest_tier
+from shared.config import Config, TierConfig, effective_tiers, lowest_tier
 from shared.errors import ErrorCode, SluiceError, model_not_found
 
 DEFER_HEADER = "x-sluice-defer"
@@ -160,8 +161,9 @@ def validate_request_body(config: Config, kind: str, body: dict[str, Any], serve
     """Validate a completion request body as the sync endpoint would, and return it as stored (no streaming).
 
     Checks what needs no worker: the schema, the model name (any of ``served_models``, ``Fleet.model_names``: the
-    job runs on the pool it names, as a request would), unsupported features, the messages / prompt shape and
-    ``n``. Length caps and the context limit are applied when the job runs (they depend on the workers).
+    job runs on the pool it names, as a request would), unsupported features, ``service_tier``, the messages /
+    prompt shape and ``n``. Length caps and the context limit are applied when the job runs (they depend on the
+    workers).
 
     Raises:
         SluiceError: 400 (404 for an unknown model) with the field in ``param``.
@@ -173,6 +175,7 @@ def validate_request_body(config: Config, kind: str, body: dict[str, Any], serve
     if request.model not in served_models:
         raise model_not_found(request.model, list(served_models))
     openai_api.check_unsupported(request)
+    check_tier_hint(request.service_tier, "service_tier", (tier.name for tier in effective_tiers(config)))
     if kind == KIND_CHAT:
         openai_api.chat_messages(request)
     elif kind == KIND_COMPLETION and not openai_api.completion_prompts(request):

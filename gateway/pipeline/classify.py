@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.config import ApiKeyConfig, Config, TierConfig, effective_tiers, validate_admission_config
@@ -135,16 +136,32 @@ class TierResolver:
         name = value.strip().lower()
         if name in self._tiers:
             return self._tiers[name]
-        if name in _KEEP_TIER_VALUES or name == "":
-            return None
         if name in _LOWEST_TIER_VALUES:
             return self._lowest_tier
-        valid = sorted(self._tiers) + sorted(_KEEP_TIER_VALUES | _LOWEST_TIER_VALUES)
-        raise SluiceError(
-            ErrorCode.INVALID_VALUE,
-            f"Invalid '{param}': {value!r} is not a tier. Valid values: {', '.join(valid)}.",
-            param=param,
-        )
+        check_tier_hint(value, param, self._tiers)
+        return None
+
+
+def check_tier_hint(value: str | None, param: str, tier_names: Iterable[str]) -> None:
+    """Check a tier hint (the ``service_tier`` body field, the tier header): one of ``tier_names`` or of OpenAI's
+    ``service_tier`` values, in any case, or empty (the job endpoints check a job's so, as a request's is checked,
+    though a job runs in the lowest tier whatever it asks).
+
+    Raises:
+        SluiceError: 400 ``invalid_value`` naming ``param`` and the valid values.
+    """
+    if value is None:
+        return
+    name = value.strip().lower()
+    names = set(tier_names)
+    if name in names or name in _KEEP_TIER_VALUES or name in _LOWEST_TIER_VALUES or name == "":
+        return
+    valid = sorted(names) + sorted(_KEEP_TIER_VALUES | _LOWEST_TIER_VALUES)
+    raise SluiceError(
+        ErrorCode.INVALID_VALUE,
+        f"Invalid '{param}': {value!r} is not a tier. Valid values: {', '.join(valid)}.",
+        param=param,
+    )
 
 
 def _bearer_token(authorization: str | None) -> str | None:

@@ -142,6 +142,8 @@ def test_invalid_jobs_are_4xx_naming_the_field(server):
         (chat_body("hi", temperature=9), 400, "temperature"),
         ({**chat_body("hi"), "model": "gpt-9"}, 404, "model"),
         (chat_body("hi", stop=[f"s{i}" for i in range(9)]), 400, "stop"),  # past gateway.max_stop_sequences
+        (chat_body("hi", service_tier="nope"), 400, "service_tier"),  # a job runs in the batch tier, but
+        # what the sync endpoint refuses is refused here too
         (chat_body("word " * 3000), 400, "messages"),  # past the 2048-token context: refused now, not failed later
     ]
     _, before = server.get("/v1/jobs?limit=100")

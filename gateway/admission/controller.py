@@ -367,6 +367,17 @@ class AdmissionController(Generic[ReservationT]):
         """Return the name of the tier of the lowest priority (its predicted wait is behind all queued work)."""
         return self._lowest_tier
 
+    def usable_sequence_slots(self, tier: str, total_slots: int) -> int:
+        """Return the most of ``total_slots`` sequence slots that requests of ``tier`` can hold at once: all but the
+        shares the tiers above it reserve (``reserved_slot_fraction``, rounded as the dispatcher rounds them); all
+        with admission off."""
+        if not self._enabled:
+            return total_slots
+        priority = self._queues[tier].config.priority
+        return total_slots - sum(math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5)
+                                 for queue in self._queues.values()
+                                 if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0)
+
     def queue_depths(self) -> dict[str, int]:
         """Return the requests queued per tier, by tier name."""
         return {name: len(queue.tickets) for name, queue in self._queues.items()}

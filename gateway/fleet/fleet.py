@@ -209,6 +209,10 @@ class Fleet:
         """Run one autoscaler pass over every pool (see :meth:`ScalingLoop.autoscale_tick`)."""
         self.scaling.autoscale_tick()
 
+    def max_sequence_slots(self, runtime: PoolRuntime) -> int | None:
+        """See :meth:`ScalingLoop.max_sequence_slots`."""
+        return self.scaling.max_sequence_slots(runtime)
+
     def can_cold_start(self, runtime: PoolRuntime) -> bool:
         """Return whether the pool has no ready worker and this gateway may start one (the job runner's gate lets
         a job through to such a pool: :class:`gateway.jobs.idle_capacity.FleetIdleCapacity`)."""

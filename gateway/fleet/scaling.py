@@ -88,6 +88,20 @@ class ScalingLoop:
         return (self.spawn_local and not self._local.closing and self.max_local(runtime) > 0
                 and runtime.config_error is None)
 
+    def max_sequence_slots(self, runtime: PoolRuntime) -> int | None:
+        """Return the most sequences the pool can run at once when all its workers are up: the slots
+        (``max_num_seqs``, an upstream's concurrency) of every worker that said Hello, plus, while local workers may
+        be started, the largest worker's for each local worker it may still start; None before any worker said
+        Hello (not known yet)."""
+        slots = [client.hello.max_num_seqs for client in runtime.pool.clients if client.hello is not None]
+        if not slots:
+            return None
+        total = sum(slots)
+        if self.may_spawn(runtime):
+            started = sum(1 for lw in runtime.local.values() if lw.client.hello is not None)
+            total += max(0, self.max_local(runtime) - started) * max(slots)
+        return total
+
     def kick(self) -> None:
         """Run the autoscaler now instead of at the next interval."""
         self.kick_event.set()

@@ -226,10 +226,38 @@ class RequestPipeline:
         the tier queues until every choice has room on a worker.
 
         Raises:
-            SluiceError: 429/503 with ``Retry-After`` when shed.
+            SluiceError: 400 when the request needs more sequences at once than its pool can ever run for its tier
+                (:meth:`_check_sequences_fit`); 429/503 with ``Retry-After`` when shed.
         """
+        self._check_sequences_fit(plan)
         self.fleet.check_cold_start(plan.route.runtime, plan.principal.tier.name)
         await plan.generation.admit()
+
+    def _check_sequences_fit(self, plan: Plan) -> None:
+        """Refuse a request whose choices (prompts × ``n``) outnumber the sequence slots its pool can ever give its
+        tier at once (:meth:`Fleet.max_sequence_slots` less the slots the tiers above reserve): its choices are
+        admitted together, so it would hold the slots it got while waiting out its queue deadline for the rest,
+        and then get a 503 that no retry can change. Nothing is refused before a worker of the pool said Hello
+        (the slots are not known yet).
+
+        Raises:
+            SluiceError: 400 ``invalid_value`` naming ``n`` (``prompt`` for several prompts with ``n`` 1).
+        """
+        generation, runtime, tier = plan.generation, plan.route.runtime, plan.principal.tier.name
+        needed = len(generation.prompts) * generation.n
+        if needed <= 1:
+            return
+        total_slots = self.fleet.max_sequence_slots(runtime)
+        if total_slots is None:
+            return
+        usable_slots = runtime.admission.usable_sequence_slots(tier, total_slots)
+        if needed > usable_slots:
+            shape = f"{len(generation.prompts)} prompts × n={generation.n}" if len(generation.prompts) > 1 \
+                else f"n={generation.n}"
+            raise SluiceError(ErrorCode.INVALID_VALUE,
+                              f"This request needs {needed} sequences at once ({shape}), but pool '{runtime.name}' "
+                              f"runs at most {usable_slots} at once for the '{tier}' tier. Lower n, or send fewer "
+                              f"prompts per request.", param="n" if generation.n > 1 else "prompt")
 
     async def collect(self, plan: Plan) -> dict[str, Any]:
         """Run the started generation to its end; return the chat.completion / text_completion object.
@@ -270,9 +298,9 @@ class RequestPipeline:
 
     async def check(self, kind: Kind, raw_body: bytes, tier: str) -> None:
         """Run the steps before admission that need no client against the configured context
-        (``model.max_model_len_tokens``): parse, stop strings, tokenize, cap in ``tier``. The job endpoint's check at submission:
-        a prompt that can never fit is a 400 then, not a job that fails when it runs. Not the context the ready
-        workers give now: a job waits out a time when fewer or smaller workers are up.
+        (``model.max_model_len_tokens``): parse, stop strings, tokenize, cap in ``tier``. The job endpoint's check
+        at submission: a prompt that can never fit is a 400 then, not a job that fails when it runs. Not the context
+        the ready workers give now: a job waits out a time when fewer or smaller workers are up.
 
         Raises:
             SluiceError: as :meth:`parse`, :meth:`tokenize` and :meth:`plan` (4xx naming the field).

@@ -704,6 +704,24 @@ async def test_n2_choices_are_admitted_as_two_tickets_of_the_request(overload, h
     assert tier_stats(overload.status(), "standard")["admitted"] == before + 2
 
 
+async def test_choices_that_outnumber_the_pools_sequence_slots_are_a_400_at_once_not_a_stuck_queue(overload, http):
+    """README trial 7: a request's choices are admitted together, so one with more choices than the pool has slots
+    held the slots it got, blocked everyone behind it and ended in a 503 after its queue deadline (15 s), which no
+    retry could change. The pool here runs 2 sequences at once."""
+    await settle(overload)
+    started_s = time.monotonic()
+    too_many = await post(http, overload.base_url, _chat(max_tokens=3, n=3))
+    assert too_many.status == 400 and too_many.json()["error"]["param"] == "n", too_many.body
+    assert "needs 3 sequences at once" in too_many.json()["error"]["message"]
+    prompts = await post(http, overload.base_url, {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2},
+                         path=COMPLETIONS)
+    assert prompts.status == 400 and prompts.json()["error"]["param"] == "prompt", prompts.body
+    assert time.monotonic() - started_s < 5.0  # refused at once, not after the queue deadline
+    fits = await post(http, overload.base_url, {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2},
+                      path=COMPLETIONS)
+    assert fits.status == 200 and len(fits.json()["choices"]) == 2, fits.body
+
+
 async def test_sigterm_drains_running_requests_rejects_new_ones_then_exits(overload, http):
     await settle(overload)
     worker_pids = _child_pids(overload.process.pid)

@@ -333,6 +333,8 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
     Raises:
         SluiceError: 400 naming the field.
     """
+    if request.stream_options is not None and not request.stream:  # OpenAI's and vLLM's 400
+        raise _invalid("stream_options is only allowed when stream is true", "stream_options")
     names, read_all = _vllm_extension_fields(type(request))
     if any(value is not None for value in read_all(request)):  # the common case, all absent: one C call
         for name in names:

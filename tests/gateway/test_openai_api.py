@@ -78,6 +78,7 @@ _HI = '"model": "m", "messages": [{"role": "user", "content": "hi"}]'
     ('"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}', "modalities"),
     ('"audio": {"voice": "alloy", "format": "wav"}', "audio"),
     ('"reasoning_effort": "high"', "reasoning_effort"),
+    ('"stream_options": {"include_usage": true}', "stream_options"),  # without stream: OpenAI's and vLLM's 400
     # vLLM's extensions that change the answer (it applies them; Sluice does not)
     ('"min_tokens": 30', "min_tokens"),
     ('"repetition_penalty": 2.0', "repetition_penalty"),
@@ -112,7 +113,9 @@ def test_fields_that_would_change_the_answer_are_400_not_ignored(extra, param):
                                    '"skip_special_tokens": true', '"add_generation_prompt": true',
                                    '"include_stop_str_in_output": false', '"guided_json": null',
                                    '"chat_template_kwargs": {}', '"unknown_vendor_field": {"x": 1}',
-                                   '"messages": [{"role": "assistant", "content": "a", "tool_calls": []}]'])
+                                   '"messages": [{"role": "assistant", "content": "a", "tool_calls": []}]',
+                                   '"stream": true, "stream_options": {"include_usage": true}',
+                                   '"stream_options": null'])
 def test_harmless_spellings_of_those_fields_are_accepted(extra):
     request = decode_body(("{" + _HI + ", " + extra + "}").encode(), ChatCompletionRequest)
     openai_api.check_unsupported(request)

@@ -50,6 +50,7 @@ from gateway.aio import wait_event
 from gateway.app import build_app
 from gateway.jobs.api import JOBS
 from gateway.state import CONFIG, FLEET, GATEWAY_ID, METRICS, GatewayOptions
+from shared.addresses import parse_address
 from shared.config import CONFIG_ERROR_EXIT_STATUS, ConfigError, load_config, with_overrides
 from shared.config_checks import check_config
 from shared.errors import ErrorCode, SluiceError
@@ -118,7 +119,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="listen with SO_REUSEPORT so several gateways share the port (default: "
                         "gateway.reuse_port)")
     parser.add_argument("--worker-address", action="append", default=[], metavar="HOST:PORT|unix:PATH",
-                        help="connect to a running worker instead of spawning (repeatable)")
+                        help="connect to a running worker instead of spawning (repeatable; port 1-65535, a Unix "
+                        "socket in a folder that exists)")
     return parser.parse_args(argv)
 
 
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             gateway["reuse_port"] = args.reuse_port
         worker = {} if args.workers is None else {"num_local_workers": args.workers}
         config = with_overrides(config, gateway=gateway, worker=worker)
+        for address in args.worker_address:
+            parse_address(address, "--worker-address")
         check_config(config)  # keys, keys file, secret, upstream tokens, model paths: before starting anything
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)

@@ -814,9 +814,12 @@ def validate_pool_config(config: Config) -> None:
                 raise ConfigError(f'{where}.upstreams: a pool with backend = "openai" needs at least one URL')
             if pool.api_key and pool.api_key_env:
                 raise ConfigError(f"{where}: set api_key or api_key_env, not both")
-            for url in pool.upstreams:
+            for j, url in enumerate(pool.upstreams):
                 if not url.startswith(("http://", "https://")):
-                    raise ConfigError(f"{where}.upstreams: {url!r} is not an http:// or https:// URL")
+                    raise ConfigError(f"{where}.upstreams[{j}]: {url!r} is not an http:// or https:// URL")
+                if url.rstrip("/").endswith("/v1"):
+                    raise ConfigError(f"{where}.upstreams[{j}]: {url!r} ends in /v1: give the server's base URL "
+                                      f"without it ({url.rstrip('/').removesuffix('/v1')!r}); Sluice adds /v1/...")
         elif pool.upstreams:
             raise ConfigError(f'{where}.upstreams: only a pool with backend = "openai" has upstreams')
         unknown_env = [name for name in pool.env if not name.isidentifier()]
@@ -993,6 +996,7 @@ def _read_config_file(path: Path, explicit: bool) -> dict[str, Any]:
 
 _ERROR_AT = re.compile(r" - at `\$((?:\.[^.`\[]+|\[\d+\]|\[\.\.\.\])*)`$")  # [...]: a key of a table
 _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]+)`")
+_INVALID_ENUM = re.compile(r"^Invalid enum value '((?:[^'\\]|\\.)*)'")
 _TOML_TABLE = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-]+)\s*\]\]?")
 _TOML_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=")
 
@@ -1009,23 +1013,63 @@ def _error_key_path(message: str) -> list[str | int]:
     return parts
 
 
+def _type_at(key_path: list[str | int]) -> Any:
+    """Return the ``msgspec.inspect`` type of the key at ``key_path`` in :class:`Config` (a list's item type for
+    an index, a table's value type past a table's key), or None where the path leaves the schema."""
+    info: Any = msgspec.inspect.type_info(Config)
+    for part in key_path:
+        if isinstance(info, msgspec.inspect.ListType):
+            info = info.item_type
+            if isinstance(part, int):
+                continue
+        if isinstance(info, msgspec.inspect.DictType):
+            info = info.value_type
+        if not (isinstance(part, str) and isinstance(info, msgspec.inspect.StructType)):
+            return None
+        info = next((f.type for f in info.fields if f.name == part), None)
+    return info
+
+
 def _did_you_mean(message: str) -> str:
     """Return ``"; did you mean `key`?"`` for an unknown key close to a valid one of its table, else ""."""
     unknown = _UNKNOWN_FIELD.match(message)
     if unknown is None:
         return ""
-    info: Any = msgspec.inspect.type_info(Config)
-    for part in _error_key_path(message)[:-1]:
-        if isinstance(info, msgspec.inspect.ListType):
-            info = info.item_type
-        if isinstance(part, str) and isinstance(info, msgspec.inspect.StructType):
-            info = next((f.type for f in info.fields if f.name == part), None)
+    info = _type_at(_error_key_path(message)[:-1])
     if isinstance(info, msgspec.inspect.ListType):
         info = info.item_type
     if not isinstance(info, msgspec.inspect.StructType):
         return ""
     close = difflib.get_close_matches(unknown.group(1), [f.name for f in info.fields], n=1, cutoff=0.6)
     return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _valid_values(message: str) -> str:
+    """Return ``"; valid values are 'a', 'b'"`` (and ``"; did you mean 'a'?"`` for a close one) for a value that
+    is none of its key's choices, else ""."""
+    invalid = _INVALID_ENUM.match(message)
+    if invalid is None:
+        return ""
+    info = _type_at(_error_key_path(message))
+    if isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.DictType)):
+        info = info.item_type if isinstance(info, msgspec.inspect.ListType) else info.value_type
+    members = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    values: list[Any] = []
+    for member in members:
+        if isinstance(member, msgspec.inspect.LiteralType):
+            values.extend(member.values)
+        elif isinstance(member, msgspec.inspect.EnumType):
+            values.extend(item.value for item in member.cls)
+    if not values:
+        return ""
+    hint = f"; valid values are {', '.join(repr(value) for value in values)}"
+    close = difflib.get_close_matches(invalid.group(1), [str(value) for value in values], n=1, cutoff=0.7)
+    return hint + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+def _hint(message: str) -> str:
+    """Return what helps fix the msgspec validation error ``message``: the nearest key, or the valid values."""
+    return _did_you_mean(message) or _valid_values(message)
 
 
 def _line_of(text: str, key_path: list[str | int]) -> int | None:
@@ -1064,7 +1108,7 @@ def _convert(raw: dict[str, Any], source: str, file: Path | None = None) -> Conf
             except (OSError, UnicodeDecodeError):
                 line = None
         where = f"{source}:{line}" if line is not None else source
-        raise ConfigError(f"{where}: {message}{_did_you_mean(message)}") from exc
+        raise ConfigError(f"{where}: {message}{_hint(message)}") from exc
 
 
 STATE_DIR_NAME = "var"  # per-deployment state (the jobs database) lives in this folder beside the config file
@@ -1096,7 +1140,8 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     Raises:
         ConfigError: a missing explicit file, a TOML syntax error, an unknown key, a wrong type or a value out of
             range; the message names the file and line (``config.toml:12: …``), or the ``SLUICE_*`` variable the
-            error came from, and the key; an unknown key close to a valid one adds ``did you mean `key`?``.
+            error came from, and the key; an unknown key close to a valid one adds ``did you mean `key`?``, a value
+            that is none of its key's choices the valid values (and the nearest).
     """
     environ = dict(os.environ if environ is None else environ)
     explicit = path is not None or bool(environ.get("SLUICE_CONFIG"))
@@ -1113,7 +1158,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     for override in overrides:
         _convert(_apply_overrides(raw, [override]), override.label())
     labels = ", ".join(override.label() for override in overrides)
-    raise ConfigError(f"{path} with {labels}: {merged_error}") from merged_error
+    raise ConfigError(f"{path} with {labels}: {merged_error}{_hint(str(merged_error))}") from merged_error
 
 
 def with_overrides(config: Config, **sections: dict[str, Any]) -> Config:
@@ -1128,7 +1173,7 @@ def with_overrides(config: Config, **sections: dict[str, Any]) -> Config:
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(f"{exc}{_hint(str(exc))}") from exc
 
 
 def default_model_path() -> str:

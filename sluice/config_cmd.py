@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sluice config``; returns the exit status."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.check and args.output is not None:
+        parser.error("argument --output: only with --reference (--check writes nothing)")
     if args.reference:
         from shared.config_reference import render_markdown
 

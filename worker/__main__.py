@@ -9,6 +9,10 @@ Usage::
 
 A worker listening beyond loopback needs the shared secret (``worker.secret``, ``worker.secret_file`` or
 ``SLUICE_WORKER__SECRET``) unless started with ``--insecure-no-secret``.
+
+A malformed ``--listen`` or ``--advertise`` (:func:`shared.addresses.parse_address`: a port outside 1-65535, no
+port, a Unix socket in a folder that does not exist) ends it with one line naming the option and exit status 2; an
+address it cannot bind (in use, not this machine's) with one line and exit status 1; both before the model loads.
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ import argparse
 import asyncio
 import concurrent.futures
 import atexit
+import errno
 import os
 from pathlib import Path
 import signal
+import socket
 import sys
 import time
 import uuid
 
 import structlog
 
+from shared.addresses import TcpAddress, parse_address
 from shared.auth import is_loopback_listen, load_secret
 from shared.config import (
     CONFIG_ERROR_EXIT_STATUS,
@@ -50,7 +57,8 @@ GIB = 1024**3
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", required=True, help="HOST:PORT or unix:PATH")
+    parser.add_argument("--listen", required=True, help="HOST:PORT (port 1-65535) or unix:PATH (in a folder "
+                        "that exists)")
     parser.add_argument("--config", default=None, help="config.toml (default: $SLUICE_CONFIG or ./config.toml)")
     parser.add_argument("--backend", choices=["auto", "cpu", "cuda", "sim"], default=None)
     parser.add_argument("--worker-id", default=None)
@@ -76,6 +84,34 @@ def config_error_exit(reason: str, exit_reason_path: str | None) -> int:
         except OSError as exc:
             print(f"sluice worker: cannot write --exit-reason-file {exit_reason_path}: {exc}", file=sys.stderr)
     return CONFIG_ERROR_EXIT_STATUS
+
+
+#: Exit status when ``--listen`` cannot be bound (in use, not this machine's, not allowed), as ``sluice serve``'s.
+LISTEN_ERROR_EXIT_STATUS = 1
+
+
+def listen_error(listen: str, exc: OSError) -> str:
+    """Return the one-line reason ``--listen`` cannot be bound."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"--listen {listen} is already in use (another worker? choose another port)"
+    return f"cannot listen on {listen}: {exc.strerror or exc}"
+
+
+def probe_listen(address: TcpAddress) -> None:
+    """Bind every address ``host:port`` resolves to, as the worker will, and close the sockets again: a port in use
+    or a host that is not this machine's is found before the model loads, not after.
+
+    Raises:
+        OSError: the bind's error (``socket.gaierror`` for a host that does not resolve).
+    """
+    infos = socket.getaddrinfo(address.host or "127.0.0.1", address.port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's start_server
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
 
 
 def check_num_kv_blocks(num_blocks: int, kv_cache_key: str, kv_cache_gib: float, block_size_tokens: int,
@@ -311,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     configure_logging(sys.stdout)
     try:
+        listen = parse_address(args.listen, "--listen")
+        if args.advertise is not None:
+            parse_address(args.advertise, "--advertise")
         config = load_config(args.config)
         if args.backend:
             config = with_overrides(config, worker={"backend": args.backend})
@@ -334,17 +373,29 @@ def main(argv: list[str] | None = None) -> int:
                                      "--insecure-no-secret", args.exit_reason_file)
         log.warning("worker_insecure_no_secret", listen=args.listen,
                     note="anyone who reaches this port can generate, abort and drain")
+    if isinstance(listen, TcpAddress):
+        try:
+            probe_listen(listen)
+        except OSError as exc:
+            print(f"sluice worker: {listen_error(args.listen, exc)}", file=sys.stderr)
+            return LISTEN_ERROR_EXIT_STATUS
     worker_id = args.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
         server = build_worker(config, worker_id, secret)
     except ConfigError as exc:
         return config_error_exit(str(exc), args.exit_reason_file)
-    async def run() -> None:
+
+    async def run() -> int:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await server.start(args.listen)
+        try:
+            await server.start(args.listen)
+        except OSError as exc:  # taken since the probe, or a Unix socket path that cannot be bound
+            print(f"sluice worker: {listen_error(args.listen, exc)}", file=sys.stderr)
+            await server.close()
+            return LISTEN_ERROR_EXIT_STATUS
         registration = None
         if advertise is not None:
             registration = WorkerRegistration.from_url(args.registry, server.hello, advertise, config.registry)
@@ -354,14 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         if registration is not None:
             await registration.close()
         await server.close()
+        return 0
 
     try:
         import uvloop
     except ImportError:
-        asyncio.run(run())
-    else:
-        uvloop.run(run())
-    return 0
+        return asyncio.run(run())
+    return uvloop.run(run())
 
 
 if __name__ == "__main__":

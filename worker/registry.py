@@ -20,6 +20,7 @@ import structlog
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from shared.addresses import parse_address
 from shared.config import ConfigError, RegistryConfig
 from shared.protocol import Hello
 from shared.registry_keys import HASH_TTL_FACTOR, events_channel, index_key, registry_keys
@@ -40,10 +41,10 @@ def resolve_advertise(listen: str, advertise: str | None) -> str:
     address = advertise or listen
     if address.startswith("unix:"):
         raise ConfigError("--registry needs a TCP address: pass --advertise HOST:PORT")
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--advertise: expected HOST:PORT, got {address!r}")
-    if advertise is None and host in ("0.0.0.0", "::", "[::]"):
+    parsed = parse_address(address, "--advertise" if advertise else "--listen")
+    if not parsed.host:
+        raise ConfigError(f"--advertise: expected HOST:PORT with a host gateways can reach, got {address!r}")
+    if advertise is None and parsed.host in ("0.0.0.0", "::"):
         raise ConfigError(f"--listen {listen} is a wildcard address: pass --advertise HOST:PORT")
     return address
 

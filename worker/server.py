@@ -28,6 +28,7 @@ from typing import Callable
 import msgspec
 import structlog
 
+from shared.addresses import UnixAddress, parse_address
 from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, verify_gateway
 from shared.errors import ErrorCode
 from shared.protocol import (
@@ -117,15 +118,20 @@ class WorkerServer:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, listen: str) -> None:
-        """Listen on ``HOST:PORT`` or ``unix:PATH`` and start the engine loop."""
-        if listen.startswith("unix:"):
-            path = listen[len("unix:"):]
-            if os.path.exists(path):
-                os.unlink(path)
-            self._server = await asyncio.start_unix_server(self._handle, path=path)
+        """Listen on ``HOST:PORT`` or ``unix:PATH`` and start the engine loop.
+
+        Raises:
+            ConfigError: ``listen`` is no such address (:func:`shared.addresses.parse_address`).
+            OSError: it cannot be bound.
+        """
+        address = parse_address(listen, "--listen")
+        if isinstance(address, UnixAddress):
+            if os.path.exists(address.path):
+                os.unlink(address.path)
+            self._server = await asyncio.start_unix_server(self._handle, path=address.path)
         else:
-            host, _, port = listen.rpartition(":")
-            self._server = await asyncio.start_server(self._handle, host=host or "127.0.0.1", port=int(port))
+            self._server = await asyncio.start_server(self._handle, host=address.host or "127.0.0.1",
+                                                      port=address.port)
         self._engine_task = asyncio.create_task(self._engine_loop(), name="engine-loop")
         self._capacity_task = asyncio.create_task(self._capacity_loop(), name="capacity-loop")
         log.info("worker_listening", listen=listen, worker_id=self.hello.worker_id, backend=self.hello.backend,

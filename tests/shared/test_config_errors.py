@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import ConfigError, load_config
+from shared.config import Config, ConfigError, load_config, with_overrides
 
 
 def error_of(tmp_path, text: str, environ: dict[str, str] | None = None) -> str:
@@ -43,3 +43,22 @@ def test_a_key_nothing_is_close_to_gets_no_suggestion(tmp_path):
 def test_an_environment_override_is_blamed_by_name_with_a_suggestion(tmp_path):
     message = error_of(tmp_path, "[gateway]\nport = 8000\n", {"SLUICE_GATEWAY__PROT": "1"})
     assert message.startswith("SLUICE_GATEWAY__PROT=1: ") and message.endswith("did you mean `port`?")
+
+
+def test_a_value_that_is_no_choice_lists_the_valid_ones_and_the_nearest(tmp_path):
+    message = error_of(tmp_path, '[[pools]]\nname = "v"\nbackend = "openai"\nengine = "vllm2"\n')
+    assert ":4: Invalid enum value 'vllm2' - at `$.pools[0].engine`" in message
+    assert message.endswith("; valid values are 'generic', 'llama.cpp', 'sglang', 'tgi', 'transformers', 'vllm'; "
+                            "did you mean 'vllm'?"), message
+
+
+def test_a_value_nothing_is_close_to_lists_the_valid_ones_only(tmp_path):
+    message = error_of(tmp_path, '[worker]\nbackend = "tpu"\n')
+    assert message.endswith("valid values are 'auto', 'cpu', 'cuda', 'sim'"), message
+
+
+def test_an_environment_override_and_a_cli_override_list_the_valid_values_too(tmp_path):
+    message = error_of(tmp_path, "", {"SLUICE_MODEL__DTYPE": "bfloat17"})
+    assert message.startswith("SLUICE_MODEL__DTYPE=bfloat17: ") and message.endswith("did you mean 'bfloat16'?")
+    with pytest.raises(ConfigError, match=r"valid values are 'auto', 'cpu', 'cuda', 'sim'$"):
+        with_overrides(Config(), worker={"backend": "gpu"})

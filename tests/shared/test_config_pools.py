@@ -77,6 +77,13 @@ degrade_at = "elevated"
     ([{"name": "a", "target_queue_wait_s": 0}], None, "pools[0].target_queue_wait_s"),
     ([{"name": "a", "env": {"NOT A NAME": "1"}}], None, "pools[0].env"),
     ([{"name": "a"}], [{"name": "free", "degrade_pool": "nope"}], "tiers[0].degrade_pool"),
+    ([{"name": "u", "backend": "openai", "upstreams": ["ftp://h:1"]}], None, "pools[0].upstreams[0]: 'ftp://h:1' is"),
+    # the docs say "without /v1"; with it, Sluice polled /v1/v1/models
+    ([{"name": "u", "backend": "openai", "upstreams": ["http://h:1", "http://127.0.0.1:19180/v1"]}], None,
+     "pools[0].upstreams[1]: 'http://127.0.0.1:19180/v1' ends in /v1: give the server's base URL without it "
+     "('http://127.0.0.1:19180')"),
+    ([{"name": "u", "backend": "openai", "upstreams": ["https://h/v1/"]}], None, "pools[0].upstreams[0]: "
+     "'https://h/v1/' ends in /v1"),
 ])
 def test_invalid_pools_name_the_key(pools, tiers, message):
     sections = {"pools": pools}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from sluice import __version__
 from sluice.cli import _SUBCOMMANDS, main
 
@@ -52,3 +54,26 @@ def test_serve_reports_a_config_error_found_while_the_gateway_starts_in_one_line
     monkeypatch.setattr(serve_main, "return_large_blocks_to_the_os", lambda: None)  # leave pytest's malloc alone
     assert main(["serve"]) == 2
     assert capsys.readouterr().err == "sluice serve: pools[u].api_key_env: the variable X is not set\n"
+
+
+def test_serve_refuses_a_worker_address_without_a_port_before_it_starts(tmp_path, monkeypatch, capsys):
+    """The user trial: ``--worker-address bogus`` was accepted and /status showed it ``not connected`` forever."""
+    import gateway.__main__ as serve_main
+
+    monkeypatch.chdir(tmp_path)  # no config.toml: the defaults
+    monkeypatch.delenv("SLUICE_CONFIG", raising=False)
+    monkeypatch.setattr(serve_main, "configure_logging", lambda: None)
+    monkeypatch.setattr(serve_main, "bind_listeners", lambda *args: pytest.fail("must not listen"))
+    assert main(["serve", "--worker-address", "127.0.0.1:9100", "--worker-address", "bogus"]) == 2
+    assert capsys.readouterr().err == ("sluice serve: --worker-address: expected HOST:PORT or unix:PATH, got "
+                                       "'bogus'\n")
+    assert main(["serve", "--worker-address", "unix:/nonexistent/w.sock"]) == 2
+    assert "the folder /nonexistent does not exist" in capsys.readouterr().err
+
+
+def test_config_check_refuses_output_instead_of_ignoring_it(tmp_path, capsys):
+    output = tmp_path / "x.md"
+    with pytest.raises(SystemExit) as info:
+        main(["config", "--check", "--output", str(output)])
+    assert info.value.code == 2 and not output.exists()
+    assert "argument --output: only with --reference" in capsys.readouterr().err

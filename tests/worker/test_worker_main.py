@@ -82,3 +82,50 @@ def test_a_config_error_exits_with_status_2_and_writes_its_reason_for_the_gatewa
     reason = reason_path.read_text().strip()
     assert reason.startswith("worker.block_size_tokens = 100000 exceeds model.max_model_len_tokens = 8192"), reason
     assert capsys.readouterr().err == f"sluice worker: {reason}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--listen", "127.0.0.1:99999"], "--listen: port 99999 is out of range: must be 1-65535"),
+    (["--listen", "nonsense"], "--listen: expected HOST:PORT or unix:PATH, got 'nonsense'"),
+    (["--listen", "unix:/nonexistent/dir/x.sock"], "--listen: unix:/nonexistent/dir/x.sock: the folder "
+                                                   "/nonexistent/dir does not exist"),
+    (["--listen", "127.0.0.1:9100", "--advertise", "10.0.0.5:70000"], "--advertise: port 70000 is out of range"),
+])
+def test_a_bad_address_exits_with_status_2_in_one_line_before_the_model_loads(argv, message, monkeypatch, capsys):
+    """The user trial: port 99999 was bound as 34463; ``nonsense`` loaded the model, then died with a traceback."""
+    import worker.__main__ as worker_main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load for a bad address")
+
+    monkeypatch.setattr(worker_main, "build_worker", no_model)
+    assert main([*argv, "--backend", "sim"]) == CONFIG_ERROR_EXIT_STATUS
+    err = capsys.readouterr().err
+    assert err.startswith(f"sluice worker: {message}") and err.count("\n") == 1, err
+
+
+def test_a_port_in_use_is_one_line_and_exit_status_1_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    import worker.__main__ as worker_main
+
+    monkeypatch.setattr(worker_main, "build_worker", lambda *args: pytest.fail("the model must not load"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--listen", f"127.0.0.1:{port}", "--backend", "sim"]) == worker_main.LISTEN_ERROR_EXIT_STATUS
+    assert capsys.readouterr().err == (f"sluice worker: --listen 127.0.0.1:{port} is already in use (another "
+                                       "worker? choose another port)\n")
+
+
+def test_the_command_line_reports_a_bad_listen_address_without_a_traceback(tmp_path):
+    """End to end through ``sluice worker``: one line on stderr, exit status 2 (the process imports no torch)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "worker", "--listen", "127.0.0.1:99999"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("sluice worker: --listen: port 99999 is out of range: must be 1-65535, got "
+                             "'127.0.0.1:99999'\n")

@@ -373,7 +373,9 @@ class AdmissionConfig(_Section):
         order_policy: dispatch order, ``priority_aging`` or ``fifo``.
         aging_rate_per_s: priority points a waiting request gains per second waited.
         require_api_key: a request without a known API key gets 401 ``invalid_api_key``.
-        keys_file: a TOML file of ``[[api_keys]]`` tables added to ``Config.api_keys``; "" = none.
+        keys_file: a TOML file of ``[[api_keys]]`` tables added to ``Config.api_keys``; "" = none. A relative path
+            is read from the working directory of ``sluice serve`` (as every path in the config but the default
+            jobs database), not from the config file's folder.
         tier_header: request header a client may use to lower its tier (like the ``service_tier`` body field).
         early_rejection: reject at arrival when the predicted queue wait exceeds the tier's deadline.
         rate_window_s: window over which dispatch rates are measured.

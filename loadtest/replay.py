@@ -513,7 +513,7 @@ async def size_to_capacity(args: argparse.Namespace, tier_mix: dict[str, float],
                      for i in range(CALIBRATION_REQUESTS)]
             headers = ReplayOptions(base_url, {}, api_key_by_tier=api_keys).headers_for(None)
             capacity, calibrated = await measure_capacity(session, base_url, args.model or served_model, texts,
-                                                          headers)
+                                                          headers, ignore_eos=not args.no_ignore_eos)
         except (aiohttp.ClientError, SizingError) as exc:
             raise ReplayError(f"--capacity-scale: {exc}") from exc
     outputs = [max(1, r.output_tokens) for r in unscaled]

@@ -16,6 +16,7 @@ trace's median prompt (at most :data:`CALIBRATION_MAX_INPUT_TOKENS`) and :data:`
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -131,32 +132,71 @@ async def _complete(session, base_url: str, body: dict[str, Any], headers: dict[
         return response.status, response.headers.get("x-sluice-tier")
 
 
-async def calibrate(session, base_url: str, model: str, texts: list[str], headers: dict[str, str]) -> None:
-    """Send ``texts`` at once as chat completions of :data:`CALIBRATION_OUTPUT_TOKENS` tokens (``ignore_eos``)."""
+async def calibrate(session, base_url: str, model: str, texts: list[str], headers: dict[str, str],
+                    ignore_eos: bool = True) -> list[tuple[int, str]]:
+    """Send ``texts`` at once as chat completions of :data:`CALIBRATION_OUTPUT_TOKENS` tokens (with ``ignore_eos``
+    unless told not to: engines such as ``transformers serve`` refuse it); return (status, error message) of each
+    request that was not answered with 200."""
     bodies = [{"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
-               "max_tokens": CALIBRATION_OUTPUT_TOKENS, "ignore_eos": True} for text in texts]
-    await asyncio.gather(*(_complete(session, base_url, body, headers) for body in bodies))
+               "max_tokens": CALIBRATION_OUTPUT_TOKENS} for text in texts]
+    if ignore_eos:
+        for body in bodies:
+            body["ignore_eos"] = True
+    answers = await asyncio.gather(*(_complete_or_error(session, base_url, body, headers) for body in bodies))
+    return [(status, message) for status, message in answers if status != 200]
+
+
+async def _complete_or_error(session, base_url: str, body: dict[str, Any], headers: dict[str, str]
+                             ) -> tuple[int, str]:
+    """POST a non-streamed chat completion; return (status, the error's message, "" for a 200)."""
+    async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers) as response:
+        raw = await response.read()
+        if response.status == 200:
+            return 200, ""
+    return response.status, _error_text(raw)
+
+
+def _error_text(raw: bytes) -> str:
+    """Return the message of an OpenAI error body (with its ``param``), else the body's first 300 characters."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict) and error.get("message"):
+        param = f" (param: {error['param']})" if error.get("param") else ""
+        return f"{error['message']}{param}"
+    return text.strip()[:300] or "(empty body)"
 
 
 async def measure_capacity(session, base_url: str, model: str, calibration_texts: list[str],
-                           headers: dict[str, str], settle_s: float = 1.0) -> tuple[MeasuredCapacity, bool]:
+                           headers: dict[str, str], settle_s: float = 1.0,
+                           ignore_eos: bool = True) -> tuple[MeasuredCapacity, bool]:
     """Return the gateway's measured capacity, calibrating first when no worker has measured its rates; and
     whether it calibrated.
 
     Raises:
-        SizingError: no serving worker, or still no rates after the calibration.
+        SizingError: no serving worker, or still no rates after the calibration (naming the status and error of
+            the first calibration request that failed, when one did).
     """
     capacity = capacity_from_status(await fetch_status(session, base_url))
     if capacity.num_workers == 0:
         raise SizingError(f"{base_url}/status lists no serving worker")
     if capacity.measured:
         return capacity, False
-    await calibrate(session, base_url, model, calibration_texts, headers)
+    failures = await calibrate(session, base_url, model, calibration_texts, headers, ignore_eos)
     await asyncio.sleep(settle_s)  # the next capacity report of each worker carries the new rates
     capacity = capacity_from_status(await fetch_status(session, base_url))
     if not capacity.measured:
+        failed = ""
+        if failures:
+            status, message = failures[0]
+            hint = "; pass --no-ignore-eos for an engine that does not take it" if (
+                ignore_eos and "ignore_eos" in message) else ""
+            failed = (f" ({len(failures)} of {len(calibration_texts)} calibration requests failed; the first: "
+                      f"HTTP {status}: {message}{hint})")
         raise SizingError(f"{base_url}: no worker reported prefill and decode rates after the calibration "
-                          f"requests; pass --rate-scale instead")
+                          f"requests{failed}; pass --rate-scale instead")
     return capacity, True
 
 

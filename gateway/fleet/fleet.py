@@ -326,11 +326,13 @@ class Fleet:
             self.kick()
 
     def is_ready(self) -> bool:
-        """Return whether requests can be served: a worker is ready and its breaker not open, or a pool scales from
-        zero (min_workers = 0) and can start one (requests then wait through its cold start)."""
-        return any(runtime.has_serving_worker()
-                   or (runtime.config.min_workers == 0 and self.scaling.may_spawn(runtime))
-                   for runtime in self.runtimes.values())
+        """Return whether requests can be served: a pool can serve (:meth:`can_serve`)."""
+        return any(self.can_serve(runtime) for runtime in self.runtimes.values())
+
+    def can_serve(self, runtime: PoolRuntime) -> bool:
+        """Return whether the pool can serve requests: a worker is ready and its breaker not open, or the pool scales
+        from zero (min_workers = 0) and can start one (requests then wait through its cold start)."""
+        return runtime.has_serving_worker() or (runtime.config.min_workers == 0 and self.scaling.may_spawn(runtime))
 
     def worker_status(self) -> list[WorkerStatus]:
         """Return every worker of every pool (see :meth:`FleetReport.worker_status`)."""

@@ -170,6 +170,19 @@ class PoolRuntime:
         """Return whether a worker can take a request now: ready, and its breaker not open."""
         return self.pool.num_serving_workers() > 0
 
+    def not_serving_reason(self) -> str:
+        """Return why no worker of the pool takes a request now (``/readyz``'s words): each worker's
+        ``not_ready_reason``, the last local start failure, the configuration error that stopped its local
+        workers, the local workers still loading."""
+        reasons = [reason for client in self.pool.clients if (reason := client.not_ready_reason()) is not None]
+        if self.last_start_failure is not None:
+            reasons.append(f"last local worker start failed: {self.last_start_failure}")
+        if self.config_error is not None:
+            reasons.append(f"its local workers are not started: {self.config_error}")
+        reasons += [f"local worker {lw.client.name} starting (loading the model, not listening yet)"
+                    for lw in self.local.values() if lw.client not in self.pool.clients]
+        return "; ".join(reasons) if reasons else "no worker configured"
+
 
 @dataclass(frozen=True)
 class Route:

@@ -116,16 +116,23 @@ class ScalingLoop:
             SluiceError: 503 ``predicted_queue_timeout`` with ``Retry-After`` = the cold start left, when the
                 expected cold start exceeds the tier's queue deadline at the current pressure (with
                 ``admission.early_rejection``; without, the request waits and its deadline sheds it); 503
-                ``no_worker_available`` when no worker can come at all.
+                ``no_worker_available`` when no worker can come at all, naming why each of the pool's workers or
+                upstreams takes no request (:meth:`PoolRuntime.not_serving_reason`).
         """
-        if runtime.has_ready_worker():
+        if runtime.has_serving_worker():
             return
         if not runtime.local and not self.may_spawn(runtime):
             if runtime.pool.clients:
-                return  # remote workers (re)connecting: admission decides
+                # remote workers or upstreams, none serving (down, reconnecting, breaker open, not serving the
+                # model): admission has no capacity to queue on and would turn the request away without saying why
+                raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available: "
+                                  f"{runtime.not_serving_reason()}.",
+                                  retry_after_s=self._clamp_retry_after(runtime.pool.no_worker_retry_after_s()))
             why = f" Its local workers are not started: {runtime.config_error}" if runtime.config_error else ""
             raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.{why}",
                               retry_after_s=self._clamp_retry_after(1.0))
+        if runtime.has_ready_worker():
+            return  # its breaker is open: admission decides
         observation = self._observe(runtime, extra_queued=1)
         wait_s = self.autoscaler.predicted_wait_s(observation)
         if wait_s is None:

@@ -57,7 +57,10 @@ async def readyz(request: web.Request) -> web.Response:
     wait through its cold start) — else 503 (also while draining, so balancers stop sending).
 
     A pool whose local workers stopped on a configuration error is named with the error: in the 503's message,
-    or in the 200's ``pool_config_errors`` while other pools serve.
+    or in the 200's ``pool_config_errors`` while other pools serve. While other pools serve, the 200's
+    ``pools_not_serving`` names each other pool that can serve no request now (no serving worker, none it can
+    start) and why: its workers' or upstreams' ``not_ready_reason`` (an upstream down, or not serving the
+    configured model).
 
     ``GET /readyz?deep=1`` also has every ready worker generate one token (``gateway.fleet.deep_ready``, cached
     for a few seconds): 503 ``worker_not_generating`` naming each connected worker that cannot, and why; the 200
@@ -82,6 +85,10 @@ async def readyz(request: web.Request) -> web.Response:
     config_errors = fleet.config_errors()
     if config_errors:  # other pools serve; these never will in this run
         body["pool_config_errors"] = config_errors
+    not_serving = {runtime.name: runtime.not_serving_reason() for runtime in fleet.runtimes.values()
+                   if not fleet.can_serve(runtime) and runtime.name not in config_errors}
+    if not_serving:  # other pools serve; these do not now (a request for their model is a 503 naming why)
+        body["pools_not_serving"] = not_serving
     if request.query.get("deep", "").lower() in ("1", "true", "yes"):
         probes = await request.app[DEEP_READY].check()
         failed = [probe.reason for probe in probes if not probe.ok]

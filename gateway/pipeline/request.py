@@ -35,7 +35,8 @@ from gateway.pipeline.generate import Generation
 from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import PromptTooLong, Tokenizer
-from gateway.upstream.request_body import ENGINES_WITHOUT_VLLM_SAMPLING, UpstreamPrompt
+from gateway.upstream.request_body import ENGINES_RESUMING_FROM_TOKEN_IDS, ENGINES_WITHOUT_VLLM_SAMPLING, \
+    UpstreamPrompt
 from shared.config import Config, PoolConfig
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
@@ -211,7 +212,8 @@ class RequestPipeline:
             first_token_timeout_s=config.gateway.first_token_timeout_s,
             stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
             cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
-            upstream_prompts=_upstream_prompts(body) if runtime.config.backend == "openai" else None,
+            upstream_prompts=(_upstream_prompts(body, runtime.config.engine, self.tokenizer)
+                              if runtime.config.backend == "openai" else None),
         )
         plan = Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
         if generation.sampling.logprobs:
@@ -311,6 +313,8 @@ class RequestPipeline:
         _check_servable(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens
         prompt_ids = await self.tokenize(kind, body, context_tokens)
+        if runtime.config.backend == "openai":
+            _upstream_prompts(body, runtime.config.engine, self.tokenizer)  # token ids an engine cannot take
         self._caps(kind, body, runtime, tier, prompt_ids, context_tokens)
 
     async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
@@ -369,9 +373,11 @@ def _check_servable(body: OpenAIRequest, runtime: PoolRuntime) -> None:
                           f"'{runtime.name}' is an upstream engine, whose log-probabilities this gateway does not pass "
                           "through", param="logprobs")
     if field is not None:
+        engine = runtime.config.engine
+        which = (f"an upstream {engine} engine, which does not take it" if engine != "generic"
+                 else "an upstream engine of unknown kind (engine = \"generic\"), which may not take it")
         raise SluiceError(ErrorCode.INVALID_VALUE, f"{field} is not available from model '{body.model}': its pool "
-                          f"'{runtime.name}' is an upstream {runtime.config.engine} engine, which does not take it",
-                          param=field)
+                          f"'{runtime.name}' is {which}", param=field)
 
 
 def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail: str = "") -> SluiceError:
@@ -382,11 +388,41 @@ def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail:
         param=param)
 
 
-def _upstream_prompts(body: OpenAIRequest) -> list[UpstreamPrompt]:
-    """Return what an upstream pool is sent per prompt: the chat messages, or each completion prompt."""
+def _upstream_prompts(body: OpenAIRequest, engine: str, tokenizer: Tokenizer) -> list[UpstreamPrompt]:
+    """Return what an upstream pool is sent per prompt: the chat messages, or each completion prompt; a prompt of
+    token ids goes as its text to an engine that takes only text (not in
+    :data:`~gateway.upstream.request_body.ENGINES_RESUMING_FROM_TOKEN_IDS`: ``transformers serve`` answers "prompt
+    must be a string").
+
+    Raises:
+        SluiceError: 400 naming the prompt whose token ids no text spells (:func:`_prompt_text`).
+    """
     if isinstance(body, openai_api.ChatCompletionRequest):
         return [UpstreamPrompt(messages=openai_api.chat_messages(body))]
-    return [UpstreamPrompt(prompt=prompt) for prompt in openai_api.completion_prompts(body)]
+    prompts = openai_api.completion_prompts(body)
+    if engine in ENGINES_RESUMING_FROM_TOKEN_IDS:
+        return [UpstreamPrompt(prompt=prompt) for prompt in prompts]
+    return [UpstreamPrompt(prompt=prompt if isinstance(prompt, str) else
+                           _prompt_text(prompt, tokenizer, "prompt" if len(prompts) == 1 else f"prompt[{i}]", engine))
+            for i, prompt in enumerate(prompts)]
+
+
+def _prompt_text(token_ids: list[int], tokenizer: Tokenizer, param: str, engine: str) -> str:
+    """Return the text ``token_ids`` spell, special tokens included (``<|im_start|>`` stays in the prompt), for an
+    engine that tokenizes it again.
+
+    Raises:
+        SluiceError: 400 naming ``param`` when the ids do not spell whole UTF-8 characters (a byte token cut from
+            its character): no text stands for them, and the engine would read a replacement character instead.
+    """
+    raw = tokenizer.byte_level_bytes(token_ids) if tokenizer.byte_level else tokenizer.token_bytes(token_ids)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"this model's pool is an upstream {engine} engine, which takes a "
+                          "prompt only as text, and these token ids do not decode to whole UTF-8 characters; send "
+                          "the prompt as text", param=param) from None
+    return tokenizer.backend.decode(token_ids, skip_special_tokens=False)
 
 
 def _sampling(body: OpenAIRequest) -> SamplingParams:

@@ -19,8 +19,15 @@ into Sluice's own stream. Failures, as a worker's:
 - HTTP 429 or 503 → ``server_overloaded``, not a health failure: the upstream takes nothing more for its
   ``Retry-After`` (1 s when absent), and the retry waits in Sluice's tier queues, where deadlines and early
   rejection answer the client with Sluice's own 503 and ``Retry-After``;
-- HTTP 400 / 413 / 422 → ``invalid_request_error`` with the upstream's message (the gateway validated first, so
-  this is a field Sluice passes on and the engine does not accept).
+- HTTP 400 / 413 / 422 → ``invalid_request_error`` with the upstream's message and, where its error body names
+  the field (OpenAI's ``error.param``, FastAPI's ``detail[].loc``, ``transformers serve``'s "Unexpected fields"),
+  that field as ``param`` (the gateway validated first, so this is a field Sluice passes on and the engine does not
+  accept).
+
+A poll also checks that the engine serves the configured model (``pools[…].upstream_model``): for an engine that
+answers only for the models its ``/v1/models`` lists (:data:`ENGINES_SERVING_ONLY_LISTED_MODELS`), a model not
+listed marks the upstream not ready, naming the models it serves (an operator's error, not the client's: requests
+get a 503 ``no_worker_available`` with that reason instead of the engine's 400 on every request).
 
 A failed poll marks the upstream unready (``/readyz`` says why: :meth:`UpstreamClient.not_ready_reason`) and counts
 against its breaker, so an upstream that is down opens its breaker within ``failure_threshold`` polls; the first
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -44,7 +52,7 @@ import structlog
 from gateway.upstream.engine_metrics import ENGINES_WITHOUT_METRICS, EngineSnapshot, MetricsParseError, \
     parse_engine_metrics, parse_llamacpp_slots
 from gateway.upstream.rates import StreamDecodeRate, UpstreamRates
-from gateway.upstream.request_body import UpstreamPrompt, upstream_body
+from gateway.upstream.request_body import ENGINES_RESUMING_FROM_TOKEN_IDS, UpstreamPrompt, upstream_body
 from gateway.upstream.sse import MAX_LINE_BYTES, SSEFormatError, decode_event, sse_data
 from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.client import WorkerClient
@@ -58,14 +66,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("sluice.gateway")
 
 DEFAULT_MAX_CONCURRENCY = 64
+# engines that answer only for a model their /v1/models lists (vLLM: 404 "The model `x` does not exist";
+# ``transformers serve`` pinned to a model: 400 "Server is pinned to ..."; unpinned, it lists the models of its hub
+# cache and loaded ones). llama.cpp's server, SGLang and TGI answer any model name; a generic engine may.
+ENGINES_SERVING_ONLY_LISTED_MODELS = frozenset({"vllm", "transformers"})
+MODEL_CHECK_INTERVAL_S = 30.0  # how often an engine with /metrics is asked for its /v1/models again
 BLOCK_SIZE_TOKENS = 16  # the unit admission counts an upstream's KV in (engines page their own KV)
 CONNECT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 MAX_ERROR_BODY_BYTES = 4096
-# engines whose /v1/completions takes the prompt as token ids (vLLM, SGLang: ``prompt: list[int]``; llama.cpp server:
-# "prompt" may be an array of tokens)
-ENGINES_RESUMING_FROM_TOKEN_IDS = frozenset({"vllm", "sglang", "llama.cpp"})
 
 
 class UpstreamClient(WorkerClient):
@@ -87,6 +97,7 @@ class UpstreamClient(WorkerClient):
         breaker: this upstream's circuit breaker.
         top_tier_priority: the highest tier priority; requests of lower tiers are sent one prompt at a time
             (:meth:`can_take`).
+        model_key: the config key that sets ``model``, for the message when the engine does not serve it.
     """
 
     preemptible_by_gateway = True  # engines run first come, first served: the gateway preempts by tier for them
@@ -94,13 +105,15 @@ class UpstreamClient(WorkerClient):
     def __init__(self, base_url: str, name: str, *, engine: str, model: str, max_concurrency: int = 0,
                  kv_capacity_tokens: int = 0, max_model_len_tokens: int = 8192, metrics_interval_s: float = 0.25,
                  api_key: str = "", on_capacity: Callable[[str, Capacity], None] | None = None,
-                 breaker: CircuitBreaker | None = None, top_tier_priority: int = 0) -> None:
+                 breaker: CircuitBreaker | None = None, top_tier_priority: int = 0,
+                 model_key: str = "upstream_model") -> None:
         super().__init__(base_url.rstrip("/"), name, on_capacity, breaker)
         self.top_tier_priority = top_tier_priority
         # reservation id → (tier priority, group) of each prompt reserved here whose first text has not come
         self._held_not_started: dict[int, tuple[int, object | None]] = {}
         self.engine = engine
         self.model = model
+        self.model_key = model_key
         self.max_concurrency = max_concurrency
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_model_len_tokens = max_model_len_tokens
@@ -110,6 +123,8 @@ class UpstreamClient(WorkerClient):
         self._requests: dict[str, asyncio.Task] = {}
         self._reachable = False
         self.last_error: str | None = None
+        self.model_error: str | None = None  # the engine does not serve ``model`` (its /v1/models, read at a poll)
+        self._models_checked_at_s = -math.inf  # monotonic
         self._saturated_until_s = 0.0  # monotonic: the upstream said 429/503; nothing is sent before this
         self._rates = UpstreamRates()
         self._sequence_decode_tokens_per_s = 0.0
@@ -123,8 +138,9 @@ class UpstreamClient(WorkerClient):
 
     @property
     def ready(self) -> bool:
-        """The last poll answered, a Hello was made from it, and the gateway does not drain this upstream."""
-        return self._reachable and self.hello is not None and not self.draining
+        """The last poll answered, a Hello was made from it, the engine serves the configured model, and the gateway
+        does not drain this upstream."""
+        return self._reachable and self.hello is not None and self.model_error is None and not self.draining
 
     @property
     def backend(self) -> str:
@@ -178,6 +194,8 @@ class UpstreamClient(WorkerClient):
         parts = []
         if not self._reachable:
             parts.append(f"unreachable ({self.last_error})" if self.last_error else "not polled yet")
+        elif self.model_error is not None:
+            parts.append(self.model_error)
         if self.draining:
             parts.append("draining")
         if breaker is BreakerState.OPEN:
@@ -316,7 +334,8 @@ class UpstreamClient(WorkerClient):
                                retry_after_s=math.ceil(retry_after_s))
         message = _error_message(body)
         if status in (400, 413, 422):
-            return SluiceError(ErrorCode.INVALID_REQUEST, f"upstream {self.name} rejected the request: {message}")
+            return SluiceError(ErrorCode.INVALID_REQUEST, f"upstream {self.name} rejected the request: {message}",
+                               param=_error_param(body))
         return SluiceError(ErrorCode.WORKER_FAILED, f"upstream {self.name} answered HTTP {status}: {message}")
 
     # ------------------------------------------------------------------ polling
@@ -342,16 +361,37 @@ class UpstreamClient(WorkerClient):
         if self.engine in ENGINES_WITHOUT_METRICS:
             async with session.get(self.address + "/v1/models", headers=self._headers, timeout=timeout) as response:
                 response.raise_for_status()
-                await response.read()
+                self._check_model(await response.read())
             return EngineSnapshot(num_running=len(self._streams), num_waiting=0,
                                   prompt_tokens_total=self._own_prompt_tokens,
                                   generation_tokens_total=self._own_generation_tokens)
         async with session.get(self.address + "/metrics", headers=self._headers, timeout=timeout) as response:
             response.raise_for_status()
             text = await response.text()
+        if (self.engine in ENGINES_SERVING_ONLY_LISTED_MODELS
+                and time.monotonic() - self._models_checked_at_s >= MODEL_CHECK_INTERVAL_S):
+            async with session.get(self.address + "/v1/models", headers=self._headers, timeout=timeout) as response:
+                if response.status == 200:
+                    self._check_model(await response.read())
         if self.engine == "llama.cpp" and self._num_slots is None and not self.max_concurrency:
             self._num_slots = await self._llamacpp_slots(timeout)
         return await asyncio.to_thread(parse_engine_metrics, self.engine, text)
+
+    def _check_model(self, models_body: bytes) -> None:
+        """Set :attr:`model_error` from the engine's ``/v1/models`` answer: why the engine does not serve
+        :attr:`model`, or None (also when the engine may answer a model it does not list, or lists none)."""
+        self._models_checked_at_s = time.monotonic()
+        served = _model_ids(models_body)
+        error = None
+        if self.engine in ENGINES_SERVING_ONLY_LISTED_MODELS and served and self.model not in served:
+            error = (f"the engine serves {', '.join(repr(m) for m in served[:8])}, not the configured model "
+                     f"'{self.model}' (set {self.model_key} to one of them)")
+        if error != self.model_error:
+            if error is not None:
+                log.warning("upstream_model_not_served", upstream=self.name, address=self.address, model=self.model,
+                            served=served[:8])
+            self.model_error = error
+            self._changed()
 
     async def _llamacpp_slots(self, timeout: aiohttp.ClientTimeout) -> int:
         """Return llama-server's slot count from ``GET /slots`` (0 when it does not serve that endpoint)."""
@@ -380,6 +420,7 @@ class UpstreamClient(WorkerClient):
                      kv_capacity_tokens=self.hello.kv_capacity_tokens)
         if not self._reachable and self.last_error is not None:
             log.info("upstream_reachable_again", upstream=self.name, address=self.address)
+            self._models_checked_at_s = -math.inf  # a restarted engine may serve another model: ask at the next poll
             self.breaker.probe_now()  # the polls opened it; the next request tests the engine now, not in cooldown_s
         self._reachable, self.last_error = True, None
         self._ready.set()
@@ -426,6 +467,46 @@ def _retry_after_s(header: str | None) -> float:
     except ValueError:
         value = DEFAULT_RETRY_AFTER_S
     return min(MAX_RETRY_AFTER_S, max(0.1, value))
+
+
+def _model_ids(body: bytes) -> list[str]:
+    """Return the model ids of an OpenAI ``/v1/models`` answer (``{"data": [{"id"}]}``); [] when it lists none."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return []
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [str(entry["id"]) for entry in data if isinstance(entry, dict) and entry.get("id")]
+
+
+_UNEXPECTED_FIELDS_RE = re.compile(r"Unexpected fields in the request: \{'([^']+)'")
+
+
+def _error_param(body: str) -> str | None:
+    """Return the request field an upstream's error body names, or None: OpenAI's ``error.param`` (or a top-level
+    ``param``), the body field of FastAPI's first validation error (``{"detail": [{"loc": ["body", "top_k"]}]}``),
+    or the first of ``transformers serve``'s "Unexpected fields in the request: {'top_k'}"."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    error = payload.get("error")
+    for source in (error, payload):
+        if isinstance(source, dict) and isinstance(source.get("param"), str) and source["param"]:
+            return source["param"]
+    detail = payload.get("detail")
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        loc = detail[0].get("loc")
+        if isinstance(loc, list) and len(loc) >= 2 and loc[0] == "body" and isinstance(loc[1], str):
+            return loc[1]
+    for text in (detail, error, (error or {}).get("message") if isinstance(error, dict) else None):
+        if isinstance(text, str) and (match := _UNEXPECTED_FIELDS_RE.search(text)):
+            return match.group(1)
+    return None
 
 
 def _error_message(body: str) -> str:

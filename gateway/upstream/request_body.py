@@ -15,10 +15,14 @@ from typing import Any
 from shared.protocol import Generate
 
 
-# Engines whose OpenAI endpoints refuse the vLLM sampling extensions forwarded below (``top_k``, ``ignore_eos``):
-# ``transformers serve`` answers 400 "Unexpected fields in the request". vLLM, SGLang and llama.cpp's server take
-# both; TGI and generic engines are sent them as asked.
-ENGINES_WITHOUT_VLLM_SAMPLING = frozenset({"transformers"})
+# Engines whose OpenAI endpoints refuse the vLLM sampling extensions forwarded below (``top_k``, ``ignore_eos``), or
+# may: ``transformers serve`` answers 422 "Unexpected fields in the request", and a ``generic`` engine is one Sluice
+# knows nothing about. The gateway refuses these fields for such a pool with a 400 naming the field. vLLM, SGLang
+# and llama.cpp's server take both; TGI is sent them as asked.
+ENGINES_WITHOUT_VLLM_SAMPLING = frozenset({"transformers", "generic"})
+# Engines whose ``/v1/completions`` takes the prompt as token ids (vLLM, SGLang: ``prompt: list[int]``; llama.cpp
+# server: "prompt" may be an array of tokens). The others are sent a prompt of token ids as its text.
+ENGINES_RESUMING_FROM_TOKEN_IDS = frozenset({"vllm", "sglang", "llama.cpp"})
 
 
 @dataclass(frozen=True)

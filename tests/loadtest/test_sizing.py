@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from loadtest.sizing import MeasuredCapacity, WorkerRates, capacity_from_status, rate_scale_for
+from loadtest.sizing import MeasuredCapacity, SizingError, WorkerRates, capacity_from_status, measure_capacity, \
+    rate_scale_for
 from loadtest.traces import TraceRequest
 
 
@@ -37,3 +40,47 @@ def test_rate_scale_makes_the_trace_arrive_at_the_wanted_multiple_of_capacity():
     assert rate_scale_for(2.0, 0.5, requests) == pytest.approx(10.0)  # 2 × 0.5 = 1 request/s = 10 × 0.1/s
     capacity = MeasuredCapacity(1, [WorkerRates("w", 100.0, 10.0, 10.0)])
     assert capacity.requests_per_s([100], [10]) == pytest.approx(0.5)
+
+
+async def test_calibration_honours_no_ignore_eos_and_a_failed_calibration_names_the_first_error():
+    """A gateway in front of an engine that refuses ``ignore_eos`` (400 naming it) and reports no rates: the
+    calibration sends ``ignore_eos`` only when asked, and the error names the status and message of the first
+    failed request instead of only "no worker reported rates"."""
+    bodies: list[dict] = []
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({"workers": [{"name": "upstream-0", "capacity": {"prefill_tokens_per_s": 0.0}}]})
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        if body.get("ignore_eos"):
+            return web.json_response({"error": {"message": "ignore_eos is not available from model 'm'",
+                                                "type": "invalid_request_error", "param": "ignore_eos",
+                                                "code": "invalid_value"}}, status=400)
+        return web.json_response({"error": {"message": "upstream u failed", "type": "server_error", "param": None,
+                                            "code": "worker_failed"}}, status=502)
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(SizingError) as info:
+                await measure_capacity(session, base_url, "m", ["a", "b"], {}, settle_s=0.0)
+            assert all(body["ignore_eos"] is True for body in bodies) and len(bodies) == 2
+            message = str(info.value)
+            assert "2 of 2 calibration requests failed; the first: HTTP 400: ignore_eos is not available from " \
+                   "model 'm' (param: ignore_eos); pass --no-ignore-eos" in message, message
+            bodies.clear()
+            with pytest.raises(SizingError) as info:
+                await measure_capacity(session, base_url, "m", ["a"], {}, settle_s=0.0, ignore_eos=False)
+            assert bodies and all("ignore_eos" not in body for body in bodies)
+            assert "the first: HTTP 502: upstream u failed)" in str(info.value), info.value
+    finally:
+        await runner.cleanup()

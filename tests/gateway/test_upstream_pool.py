@@ -22,6 +22,7 @@ from gateway.workers.reservation import Reservation
 from shared.config import Config, ConfigError, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Generate, SamplingParams
+from tests.support.loopback import serve_routes
 
 MODEL = "SmolLM2-135M-Instruct"
 VLLM_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics" / "vllm.txt").read_text()
@@ -98,14 +99,7 @@ async def recorded_vllm():
 async def serve_engine(metrics, chat) -> tuple[str, web.AppRunner]:
     """Serve ``GET /metrics`` and ``POST /v1/chat/completions`` with these handlers on loopback; return the base URL
     and the runner (``cleanup()`` stops it)."""
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner
+    return await serve_routes(("GET", "/metrics", metrics), ("POST", "/v1/chat/completions", chat))
 
 
 async def wait_until(predicate, what: str) -> None:

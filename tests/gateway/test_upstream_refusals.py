@@ -25,6 +25,7 @@ from gateway.upstream.client import UpstreamClient, _error_param, _model_ids
 from loadtest.prompts import load_tokenizer
 from shared.config import default_model_path
 from tests.conftest import sluice_serve
+from tests.support.loopback import serve_routes
 from tests.support.server import free_port, get_json
 
 SERVED = "engine-served"  # the one model the fake engine is pinned to
@@ -153,14 +154,7 @@ async def test_a_vllm_upstream_not_serving_the_configured_model_is_not_ready_unt
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": name} for name in served]})
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    url, runner = await serve_routes(("GET", "/metrics", metrics), ("GET", "/v1/models", models))
     client = UpstreamClient(url, "engine-0", engine="vllm", model="org/model", metrics_interval_s=0.05,
                             model_key="pools[1].upstream_model")
     client.start()

@@ -9,6 +9,7 @@ from aiohttp import web
 from loadtest.sizing import MeasuredCapacity, SizingError, WorkerRates, capacity_from_status, measure_capacity, \
     rate_scale_for
 from loadtest.traces import TraceRequest
+from tests.support.loopback import serve_routes
 
 
 def status_of(*capacities: dict) -> dict:
@@ -61,14 +62,7 @@ async def test_calibration_honours_no_ignore_eos_and_a_failed_calibration_names_
         return web.json_response({"error": {"message": "upstream u failed", "type": "server_error", "param": None,
                                             "code": "worker_failed"}}, status=502)
 
-    app = web.Application()
-    app.router.add_get("/status", status)
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    base_url, runner = await serve_routes(("GET", "/status", status), ("POST", "/v1/chat/completions", chat))
     try:
         async with aiohttp.ClientSession() as session:
             with pytest.raises(SizingError) as info:

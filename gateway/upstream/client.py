@@ -41,17 +41,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from typing import TYPE_CHECKING, Callable
 
 import aiohttp
-import msgspec
 import structlog
 
 from gateway.upstream.engine_metrics import ENGINES_WITHOUT_METRICS, EngineSnapshot, MetricsParseError, \
     parse_engine_metrics, parse_llamacpp_slots
 from gateway.upstream.rates import StreamDecodeRate, UpstreamRates
+from gateway.upstream.replies import error_message, error_param, model_ids, retry_after_s_of
 from gateway.upstream.request_body import ENGINES_RESUMING_FROM_TOKEN_IDS, UpstreamPrompt, upstream_body
 from gateway.upstream.sse import MAX_LINE_BYTES, SSEFormatError, decode_event, sse_data
 from gateway.workers.breaker import BreakerState, CircuitBreaker
@@ -73,8 +72,6 @@ ENGINES_SERVING_ONLY_LISTED_MODELS = frozenset({"vllm", "transformers"})
 MODEL_CHECK_INTERVAL_S = 30.0  # how often an engine with /metrics is asked for its /v1/models again
 BLOCK_SIZE_TOKENS = 16  # the unit admission counts an upstream's KV in (engines page their own KV)
 CONNECT_TIMEOUT_S = 5.0
-DEFAULT_RETRY_AFTER_S = 1.0
-MAX_RETRY_AFTER_S = 60.0
 MAX_ERROR_BODY_BYTES = 4096
 
 
@@ -326,16 +323,16 @@ class UpstreamClient(WorkerClient):
         status = response.status
         body = (await response.content.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", errors="replace")
         if status in (429, 503):
-            retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
+            retry_after_s = retry_after_s_of(response.headers.get("Retry-After"))
             self._saturated_until_s = time.monotonic() + retry_after_s
             asyncio.get_running_loop().call_later(retry_after_s, self._changed)
             log.info("upstream_overloaded", upstream=self.name, status=status, retry_after_s=retry_after_s)
             return SluiceError(ErrorCode.SERVER_OVERLOADED, f"upstream {self.name} is overloaded (HTTP {status})",
                                retry_after_s=math.ceil(retry_after_s))
-        message = _error_message(body)
+        message = error_message(body)
         if status in (400, 413, 422):
             return SluiceError(ErrorCode.INVALID_REQUEST, f"upstream {self.name} rejected the request: {message}",
-                               param=_error_param(body))
+                               param=error_param(body))
         return SluiceError(ErrorCode.WORKER_FAILED, f"upstream {self.name} answered HTTP {status}: {message}")
 
     # ------------------------------------------------------------------ polling
@@ -381,7 +378,7 @@ class UpstreamClient(WorkerClient):
         """Set :attr:`model_error` from the engine's ``/v1/models`` answer: why the engine does not serve
         :attr:`model`, or None (also when the engine may answer a model it does not list, or lists none)."""
         self._models_checked_at_s = time.monotonic()
-        served = _model_ids(models_body)
+        served = model_ids(models_body)
         error = None
         if self.engine in ENGINES_SERVING_ONLY_LISTED_MODELS and served and self.model not in served:
             error = (f"the engine serves {', '.join(repr(m) for m in served[:8])}, not the configured model "
@@ -458,68 +455,3 @@ class UpstreamClient(WorkerClient):
         self._ready.clear()
         self.breaker.on_failure()
         self._changed()
-
-
-def _retry_after_s(header: str | None) -> float:
-    """Return the upstream's ``Retry-After`` in seconds (delta-seconds form), within [0.1, 60]; 1 s when absent."""
-    try:
-        value = float(header) if header else DEFAULT_RETRY_AFTER_S
-    except ValueError:
-        value = DEFAULT_RETRY_AFTER_S
-    return min(MAX_RETRY_AFTER_S, max(0.1, value))
-
-
-def _model_ids(body: bytes) -> list[str]:
-    """Return the model ids of an OpenAI ``/v1/models`` answer (``{"data": [{"id"}]}``); [] when it lists none."""
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return []
-    data = payload.get("data") if isinstance(payload, dict) else None
-    if not isinstance(data, list):
-        return []
-    return [str(entry["id"]) for entry in data if isinstance(entry, dict) and entry.get("id")]
-
-
-_UNEXPECTED_FIELDS_RE = re.compile(r"Unexpected fields in the request: \{'([^']+)'")
-
-
-def _error_param(body: str) -> str | None:
-    """Return the request field an upstream's error body names, or None: OpenAI's ``error.param`` (or a top-level
-    ``param``), the body field of FastAPI's first validation error (``{"detail": [{"loc": ["body", "top_k"]}]}``),
-    or the first of ``transformers serve``'s "Unexpected fields in the request: {'top_k'}"."""
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(payload, dict):
-        return None
-    error = payload.get("error")
-    for source in (error, payload):
-        if isinstance(source, dict) and isinstance(source.get("param"), str) and source["param"]:
-            return source["param"]
-    detail = payload.get("detail")
-    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
-        loc = detail[0].get("loc")
-        if isinstance(loc, list) and len(loc) >= 2 and loc[0] == "body" and isinstance(loc[1], str):
-            return loc[1]
-    for text in (detail, error, (error or {}).get("message") if isinstance(error, dict) else None):
-        if isinstance(text, str) and (match := _UNEXPECTED_FIELDS_RE.search(text)):
-            return match.group(1)
-    return None
-
-
-def _error_message(body: str) -> str:
-    """Return the ``error.message`` of an OpenAI error body (or of ``{"message"}`` / ``{"detail"}``), else the text."""
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body.strip()[:500] or "(empty body)"
-    if isinstance(payload, dict):
-        error = payload.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:500]
-        for key in ("message", "detail", "error"):
-            if payload.get(key):
-                return str(payload[key])[:500]
-    return body.strip()[:500]

@@ -21,7 +21,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.upstream.client import UpstreamClient, _error_param, _model_ids
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.replies import error_param, model_ids
 from loadtest.prompts import load_tokenizer
 from shared.config import default_model_path
 from tests.conftest import sluice_serve
@@ -134,13 +135,13 @@ def engine():
 
 
 def test_an_engines_error_body_gives_the_field_it_names_and_its_model_list_the_ids():
-    assert _error_param('{"error": {"message": "bad", "param": "temperature"}}') == "temperature"
-    assert _error_param('{"detail": "Unexpected fields in the request: {\'top_k\'}"}') == "top_k"
-    assert _error_param('{"detail": [{"loc": ["body", "max_tokens"], "msg": "too big"}]}') == "max_tokens"
-    assert _error_param('{"error": {"message": "bad", "param": null}}') is None
-    assert _error_param("prompt must be a string.") is None
-    assert _model_ids(b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}]}') == ["a", "b"]
-    assert _model_ids(b'{"data": []}') == [] and _model_ids(b"not json") == []
+    assert error_param('{"error": {"message": "bad", "param": "temperature"}}') == "temperature"
+    assert error_param('{"detail": "Unexpected fields in the request: {\'top_k\'}"}') == "top_k"
+    assert error_param('{"detail": [{"loc": ["body", "max_tokens"], "msg": "too big"}]}') == "max_tokens"
+    assert error_param('{"error": {"message": "bad", "param": null}}') is None
+    assert error_param("prompt must be a string.") is None
+    assert model_ids(b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}]}') == ["a", "b"]
+    assert model_ids(b'{"data": []}') == [] and model_ids(b"not json") == []
 
 
 async def test_a_vllm_upstream_not_serving_the_configured_model_is_not_ready_until_it_does():

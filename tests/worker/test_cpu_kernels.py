@@ -4,6 +4,10 @@ alone or beside others)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -18,6 +22,21 @@ def test_kernels_build_on_a_cpu_with_avx2():
     if not cpu_kernels.cpu_supports_kernels():
         pytest.skip(f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     assert cpu_kernels.load() is not None, "the C++ kernels failed to build: see cpu_kernels_unavailable in the log"
+
+
+def test_a_build_killed_while_it_held_torchs_lock_does_not_hang_the_next_load():
+    """A build stopped mid-way (the suite's run was killed while ``make install`` compiled) left torch's lock file
+    in the build folder, and every later ``python -m worker.cpu_kernels`` waited for it for ever."""
+    if not cpu_kernels.cpu_supports_kernels():
+        pytest.skip(f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    assert cpu_kernels.load() is not None  # built: the next load is quick
+    folder = cpu_kernels.build_directory()
+    baton = os.path.join(folder, cpu_kernels.TORCH_BATON_NAME)
+    with cpu_kernels.build_lock(folder):  # no load runs meanwhile; then the file is what a killed build leaves
+        open(baton, "x").close()
+    done = subprocess.run([sys.executable, "-m", "worker.cpu_kernels"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "built" in done.stdout, done.stdout + done.stderr
+    assert "cpu_kernels_stale_lock_removed" in done.stdout + done.stderr and not os.path.exists(baton)
 
 
 @pytest.fixture(scope="module")

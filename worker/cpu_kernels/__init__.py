@@ -10,17 +10,21 @@ The extension is compiled with :func:`torch.utils.cpp_extension.load` (g++, ninj
 ``<cache_root>/cpu_kernels/<torch version>/<source key>`` the first time a worker needs it (about a minute on a
 2-core machine; ``make install`` does it once ahead: ``python -m worker.cpu_kernels``), then loaded from there in
 about 0.1 s. :func:`load` returns None where the CPU lacks AVX2 or the build fails (the reason is logged once); the
-quantized layers then run their dense copy instead. The source key hashes the sources' folder and contents: ninja's build
-file names the sources by absolute path, so two checkouts sharing one folder would each rebuild over the other's
-build at every start.
+quantized layers then run their dense copy instead. The source key hashes the sources' folder and contents: ninja's
+build file names the sources by absolute path, so two checkouts sharing one folder would each rebuild over the
+other's build at every start. Loads of one folder take turns (:func:`build_lock`), which also clears what a killed
+build left.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 
 import structlog
@@ -32,6 +36,8 @@ SOURCES = [os.path.join(os.path.dirname(__file__), name)
            for name in ("module.cpp", "qgemm.cpp", "paged_attention.cpp", "elementwise.cpp")]
 #: input features per group of the quantized layouts
 GROUP_SIZE = 32
+BUILD_LOCK_NAME = "sluice-build.flock"  # held (flock) by every load of a build folder
+TORCH_BATON_NAME = "lock"  # torch.utils.file_baton.FileBaton's file in the build folder
 
 
 def cpu_supports_kernels() -> bool:
@@ -79,11 +85,35 @@ def load() -> ModuleType | None:
         log.info("cpu_kernels_building", build_directory=folder,
                  note="first use from this checkout: about a minute on 2 cores (make install builds ahead)")
     try:
-        return cpp_extension.load(
-            name="sluice_qgemm", sources=SOURCES, build_directory=folder, verbose=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
+        with build_lock(folder):
+            return cpp_extension.load(
+                name="sluice_qgemm", sources=SOURCES, build_directory=folder, verbose=False,
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to the dense path, said once
         log.warning("cpu_kernels_unavailable", reason=f"build failed: {exc}"[:2000], build_directory=folder)
         return None
+
+
+@contextlib.contextmanager
+def build_lock(folder: str) -> Iterator[None]:
+    """Hold the build folder's lock (``flock`` on ``sluice-build.flock``, which the kernel releases when its holder
+    dies) and remove torch's own lock file (``lock``, a ``FileBaton``) left there by a build that was killed.
+
+    torch's baton is a file that only its creator deletes: a build killed mid-way (a worker stopped while it
+    compiled, Ctrl-C in ``make install``) leaves it, and every later :func:`torch.utils.cpp_extension.load` of the
+    folder waits for it to go away, for ever. Every load here runs under this lock, so a baton found while holding
+    it belongs to no live build.
+    """
+    with open(os.path.join(folder, BUILD_LOCK_NAME), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(folder, TORCH_BATON_NAME)
+            if os.path.exists(stale):
+                log.warning("cpu_kernels_stale_lock_removed", path=stale,
+                            note="left by a build that was killed; building again")
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)

@@ -558,6 +558,9 @@ class PoolConfig(_Section):
     api_key_env: str = ""
 
 
+DEFAULT_COLD_START_S = 30.0  # a worker's cold start assumed before one is measured, with initial_cold_start_s unset
+
+
 class AutoscaleConfig(_Section):
     """The gateway's local autoscaler (``[autoscale]``; issue 7).
 
@@ -566,7 +569,11 @@ class AutoscaleConfig(_Section):
         interval_s: seconds between two autoscaler decisions.
         scale_down_utilisation: a pool is in low use when its utilisation spread over one worker fewer
             (utilisation × n ÷ (n − 1); for one worker: any use at all) stays below this fraction (0–1).
-        initial_cold_start_s: cold-start estimate in seconds (spawn → Hello) until one has been measured.
+        initial_cold_start_s: cold-start estimate in seconds (spawn → Hello) until one has been measured. Unset:
+            :data:`DEFAULT_COLD_START_S` for scaling decisions and ``Retry-After``, but no request is turned away at
+            once on it (503 ``predicted_queue_timeout``): it waits for the worker up to its tier's deadline, since
+            an estimate nobody measured or set is no ground for refusing it. Set it to what a worker takes here to
+            have requests that cannot make their deadline refused at once during a cold start.
         max_events: scale events kept for ``/status``.
         demand_window_s: seconds of arrivals over which the offered load is measured (at most
             ``admission.rate_window_s``); 0 = no load-proportional scaling.
@@ -576,7 +583,7 @@ class AutoscaleConfig(_Section):
     enabled: bool = True
     interval_s: PositiveFloat = 1.0
     scale_down_utilisation: PositiveFraction = 0.5
-    initial_cold_start_s: NonNegativeFloat = 30.0
+    initial_cold_start_s: NonNegativeFloat | None = None
     max_events: PositiveInt = 100
     demand_window_s: NonNegativeFloat = 10.0
     target_utilisation: PositiveFraction = 0.9
@@ -831,7 +838,7 @@ def validate_pool_config(config: Config) -> None:
         if tier.degrade_pool and tier.degrade_pool not in names:
             raise ConfigError(f"tiers[{i}].degrade_pool: {tier.degrade_pool!r} is not a pool; pools are {names}")
     autoscale = config.autoscale
-    if autoscale.interval_s <= 0 or autoscale.initial_cold_start_s < 0 or autoscale.max_events < 1:
+    if autoscale.interval_s <= 0 or (autoscale.initial_cold_start_s or 0.0) < 0 or autoscale.max_events < 1:
         raise ConfigError("autoscale: need interval_s > 0, initial_cold_start_s ≥ 0 and max_events ≥ 1")
     if not 0.0 < autoscale.target_utilisation <= 1.0 or autoscale.demand_window_s < 0:
         raise ConfigError("autoscale: target_utilisation must be in (0, 1] and demand_window_s ≥ 0")

@@ -83,6 +83,11 @@ class Shedder:
             for ticket in list(queue.tickets.values()):
                 self.shed(ticket, code, message)
 
+    def count_rejected(self, tier: str, code: ErrorCode) -> None:
+        """Count a request of ``tier`` turned away with ``code`` before it reached a queue (the fleet's cold-start
+        check: ``gateway.fleet.scaling.ScalingLoop.check_cold_start``)."""
+        self._queues[tier].num_rejected[code.value] += 1
+
     def count_deferred(self, tier: str, code: ErrorCode) -> None:
         """Count a request of ``tier`` shed with ``code`` whose client got an async job instead (202) as deferred,
         not rejected (``/status`` ``deferred``, ``sluice_deferred_total``): the shed counted it as rejected."""

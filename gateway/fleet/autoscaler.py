@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.admission.pressure import PressureLevel
-from shared.config import AutoscaleConfig, PoolConfig
+from shared.config import DEFAULT_COLD_START_S, AutoscaleConfig, PoolConfig
 
 # Cold starts averaged into the estimate (the most recent ones).
 COLD_START_SAMPLES = 5
@@ -335,9 +335,17 @@ class Autoscaler:
 
     def cold_start_s(self, pool: str) -> float:
         """Return the expected cold start of ``pool`` in seconds: the mean of the last measured ones, else
-        ``autoscale.initial_cold_start_s``."""
+        ``autoscale.initial_cold_start_s``, else :data:`~shared.config.DEFAULT_COLD_START_S`."""
         samples = self._pools[pool].cold_starts_s
-        return sum(samples) / len(samples) if samples else self._config.initial_cold_start_s
+        if samples:
+            return sum(samples) / len(samples)
+        initial_s = self._config.initial_cold_start_s
+        return DEFAULT_COLD_START_S if initial_s is None else initial_s
+
+    def cold_start_known(self, pool: str) -> bool:
+        """Return whether :meth:`cold_start_s` is more than a default: measured here, or set by the operator
+        (``autoscale.initial_cold_start_s``). Only a known cold start turns a request away at once."""
+        return bool(self._pools[pool].cold_starts_s) or self._config.initial_cold_start_s is not None
 
     def predicted_wait_s(self, obs: PoolObservation) -> float | None:
         """Return the queue wait in seconds a request for this pool must expect now, cold starts included.

@@ -115,9 +115,11 @@ class ScalingLoop:
         Raises:
             SluiceError: 503 ``predicted_queue_timeout`` with ``Retry-After`` = the cold start left, when the
                 expected cold start exceeds the tier's queue deadline at the current pressure (with
-                ``admission.early_rejection``; without, the request waits and its deadline sheds it); 503
-                ``no_worker_available`` when no worker can come at all, naming why each of the pool's workers or
-                upstreams takes no request (:meth:`PoolRuntime.not_serving_reason`).
+                ``admission.early_rejection`` and a known cold start: measured, or ``autoscale.initial_cold_start_s``
+                set; otherwise the request waits and its deadline sheds it); 503 ``no_worker_available`` when no
+                worker can come at all, naming why each of the pool's workers or upstreams takes no request
+                (:meth:`PoolRuntime.not_serving_reason`). Each is counted in the tier's rejections (``/status``,
+                ``sluice_rejected_total``), as admission counts its own.
         """
         if runtime.has_serving_worker():
             return
@@ -125,29 +127,40 @@ class ScalingLoop:
             if runtime.pool.clients:
                 # remote workers or upstreams, none serving (down, reconnecting, breaker open, not serving the
                 # model): admission has no capacity to queue on and would turn the request away without saying why
-                raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available: "
-                                  f"{runtime.not_serving_reason()}.",
-                                  retry_after_s=self._clamp_retry_after(runtime.pool.no_worker_retry_after_s()))
+                raise self._rejected(runtime, tier, SluiceError(
+                    ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available: "
+                    f"{runtime.not_serving_reason()}.",
+                    retry_after_s=self._clamp_retry_after(runtime.pool.no_worker_retry_after_s())))
             why = f" Its local workers are not started: {runtime.config_error}" if runtime.config_error else ""
-            raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.{why}",
-                              retry_after_s=self._clamp_retry_after(1.0))
+            raise self._rejected(runtime, tier, SluiceError(
+                ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.{why}",
+                retry_after_s=self._clamp_retry_after(1.0)))
         if runtime.has_ready_worker():
             return  # its breaker is open: admission decides
         observation = self._observe(runtime, extra_queued=1)
         wait_s = self.autoscaler.predicted_wait_s(observation)
         if wait_s is None:
-            raise SluiceError(ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.",
-                              retry_after_s=self._clamp_retry_after(1.0))
+            raise self._rejected(runtime, tier, SluiceError(
+                ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.",
+                retry_after_s=self._clamp_retry_after(1.0)))
         self._enact(self.autoscaler.tick([observation]))  # start one now, even for a request rejected below
         tier_config = self._tiers[tier]
         deadline_s = runtime.pressure.queue_timeout_s(tier, tier_config.queue_timeout_s)
         admission = self.config.admission
-        if admission.enabled and admission.early_rejection and wait_s > deadline_s:
-            raise SluiceError(
+        if (admission.enabled and admission.early_rejection and wait_s > deadline_s
+                and self.autoscaler.cold_start_known(runtime.name)):
+            raise self._rejected(runtime, tier, SluiceError(
                 ErrorCode.PREDICTED_QUEUE_TIMEOUT,
                 f"No worker of pool '{runtime.name}' is ready and starting one takes about {wait_s:.1f} s, past the "
                 f"'{tier}' tier's deadline ({deadline_s:g} s); retry when it is up.",
-                retry_after_s=self._clamp_retry_after(wait_s))
+                retry_after_s=self._clamp_retry_after(wait_s)))
+
+    @staticmethod
+    def _rejected(runtime: PoolRuntime, tier: str, error: SluiceError) -> SluiceError:
+        """Count ``error`` in the tier's rejections (a deferral to a job takes it back: ``Shedder.count_deferred``)
+        and return it."""
+        runtime.admission.shedder.count_rejected(tier, error.code)
+        return error
 
     def _clamp_retry_after(self, seconds: float) -> int:
         return int(min(self.config.admission.max_retry_after_s, max(1, math.ceil(seconds))))

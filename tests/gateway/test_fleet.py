@@ -290,6 +290,8 @@ env = {{ XDG_CACHE_HOME = "{tmp_path}" }}  # a first start on this machine: the 
         assert body["usage"]["completion_tokens"] == 5
         assert vip_code == 503 and vip_body["error"]["code"] == "predicted_queue_timeout", vip_body
         assert 50 <= int(vip_headers["Retry-After"]) <= 60
+        # counted as admission counts its own 503s (README trial 8: /status and sluice_rejected_total missed it)
+        assert gw.status()["admission"]["tiers"]["vip"]["rejected"] == {"predicted_queue_timeout": 1}
         cold_start_s = gw.pool("sim")["cold_start_s"]
         assert 0 < cold_start_s < time.monotonic() - started_s  # measured, replaced the 60 s estimate
         assert float(headers["x-sluice-queue-ms"]) / 1000 >= cold_start_s * 0.8  # it queued through the start
@@ -571,6 +573,39 @@ async def test_an_arrival_that_needs_more_workers_wakes_the_autoscaler_at_once()
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
+
+
+def test_before_a_cold_start_is_measured_or_set_a_request_waits_for_the_worker_instead_of_a_503_on_a_guess():
+    """README trial 8: right after `make run`, requests were refused with Retry-After 30 (the unmeasured default
+    cold start, past standard's 15 s) for a worker that was ready 2 s later. With ``autoscale.initial_cold_start_s``
+    unset, a request waits for the first cold start up to its deadline."""
+    config = f"""
+[sim]
+time_scale = {SIM_TIME_SCALE}
+
+[autoscale]
+interval_s = 0.25
+
+[[pools]]
+name = "sim"
+backend = "sim"
+min_workers = 0
+max_workers = 1
+scale_down_after_s = 60.0
+"""
+    with Gateway(config) as gw:
+        assert gw.pool("sim")["workers"] == {"starting": 0, "ready": 0, "draining": 0}
+
+        async def first_request():
+            async with aiohttp.ClientSession() as session:
+                return await chat(session, gw.base_url, "hello", 3, tier="standard")
+
+        code, headers, body = asyncio.run(first_request())
+        assert code == 200, (body, gw.log_tail())
+        cold_start_s = gw.pool("sim")["cold_start_s"]
+        assert 0 < cold_start_s < 15.0  # measured now; the 30 s default said the deadline could not be met
+        assert float(headers["x-sluice-queue-ms"]) / 1000 >= cold_start_s * 0.8  # it queued through the start
+        assert gw.status()["admission"]["tiers"]["standard"]["rejected"] == {}
 
 
 def test_jobs_and_batches_run_on_the_pool_of_the_model_they_name(tmp_path):

@@ -101,7 +101,7 @@ def _dumps(payload: object) -> str:
 async def _stream(request: web.Request, plan: Plan, include_usage: bool) -> web.StreamResponse:
     generation = plan.generation
     first_event = await generation.next_event()  # errors before the first byte are plain JSON errors
-    chunks = ChunkFactory(plan.kind, plan.response_id, int(time.time()), plan.model_name)
+    chunks = ChunkFactory(plan.kind, plan.response_id, int(time.time()), plan.model_name, include_usage)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream; charset=utf-8",
         "Cache-Control": "no-cache",

@@ -253,12 +253,14 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Return the messages as ``[{"role", "content"}]`` dicts ready for the chat template.
+    """Return the messages as ``[{"role", "content"}]`` dicts ready for the chat template; a ``developer`` message
+    (OpenAI's newer name for the system message) becomes ``system``, the role chat templates know.
 
     Raises:
         SluiceError: see :func:`message_text`.
     """
-    return [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(request.messages)]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
+            for i, m in enumerate(request.messages)]
 
 
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
@@ -362,6 +364,9 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
         if request.function_call not in (None, "none"):
             raise _invalid("function_call is not supported by this server (only \"none\")", "function_call")
         for i, message in enumerate(request.messages):
+            if message.role == "tool" and message.tool_call_id is not None:  # without one: 400 naming it (BC23)
+                # a tool's result answers a tool call, which this server never makes
+                raise _invalid("tool messages are not supported by this server (no tools)", f"messages[{i}].role")
             if message.tool_calls or message.function_call is not None:
                 field = "tool_calls" if message.tool_calls else "function_call"
                 raise _invalid("tool calls in the conversation are not supported by this server (no tools)",

@@ -48,9 +48,11 @@ class ChunkFactory:
         response_id: ``chatcmpl-…`` / ``cmpl-…``.
         created_s: Unix time in seconds.
         model: the served model's name.
+        include_usage: the request's ``stream_options.include_usage``: every chunk but the usage chunk then carries
+            ``"usage":null``, as OpenAI's do.
     """
 
-    def __init__(self, kind: str, response_id: str, created_s: int, model: str) -> None:
+    def __init__(self, kind: str, response_id: str, created_s: int, model: str, include_usage: bool = False) -> None:
         self.kind = kind
         self.response_id = response_id
         self.created_s = created_s
@@ -60,8 +62,9 @@ class ChunkFactory:
         self._head = (b'data: {"id":' + encode(response_id) + b',"object":' + encode(self.object)
                       + b',"created":' + encode(created_s) + b',"model":' + encode(model) + b',"choices":[')
         self._text_field = b',"delta":{"content":' if kind == "chat" else b',"text":'
-        self._text_tail = (b'},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat"
-                           else b',"logprobs":null,"finish_reason":null}]}\n\n')
+        self._close = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"  # after the choices
+        self._text_tail = ((b'},"logprobs":null,"finish_reason":null}' if kind == "chat"
+                            else b',"logprobs":null,"finish_reason":null}') + self._close)
         self._text_heads: dict[int, bytes] = {}
 
     def _choice_head(self, index: int) -> bytes:
@@ -70,7 +73,7 @@ class ChunkFactory:
     def role(self, index: int) -> bytes:
         """Return the first chunk of a chat choice: the assistant role with empty content."""
         return (self._choice_head(index)
-                + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
+                + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}' + self._close)
 
     def text(self, index: int, text: str, logprobs: dict | None = None) -> bytes:
         """Return a chunk carrying new text of one choice (finish_reason null), and its tokens' ``logprobs``
@@ -81,13 +84,13 @@ class ChunkFactory:
         if logprobs is None:
             return head + _json_encoder.encode(text) + self._text_tail
         return (head + _json_encoder.encode(text) + (b'},"logprobs":' if self.kind == "chat" else b',"logprobs":')
-                + _json_encoder.encode(logprobs) + b',"finish_reason":null}]}\n\n')
+                + _json_encoder.encode(logprobs) + b',"finish_reason":null}' + self._close)
 
     def finish(self, index: int, finish_reason: str) -> bytes:
         """Return the last chunk of a choice: no new text, its finish_reason."""
         empty = b',"delta":{}' if self.kind == "chat" else b',"text":""'
         return (self._choice_head(index) + empty + b',"logprobs":null,"finish_reason":'
-                + _json_encoder.encode(finish_reason) + b"}]}\n\n")
+                + _json_encoder.encode(finish_reason) + b"}" + self._close)
 
     def usage(self, usage: dict) -> bytes:
         """Return the usage chunk (``choices: []``), sent once before ``[DONE]`` when include_usage is set."""

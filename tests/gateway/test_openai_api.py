@@ -79,6 +79,9 @@ _HI = '"model": "m", "messages": [{"role": "user", "content": "hi"}]'
     ('"audio": {"voice": "alloy", "format": "wav"}', "audio"),
     ('"reasoning_effort": "high"', "reasoning_effort"),
     ('"stream_options": {"include_usage": true}', "stream_options"),  # without stream: OpenAI's and vLLM's 400
+    # a tool's result with no tool call before it (this server makes none)
+    ('"messages": [{"role": "user", "content": "weather?"}, {"role": "tool", "tool_call_id": "c1", '
+     '"content": "sunny"}]', "messages[1].role"),
     # vLLM's extensions that change the answer (it applies them; Sluice does not)
     ('"min_tokens": 30', "min_tokens"),
     ('"repetition_penalty": 2.0', "repetition_penalty"),
@@ -168,7 +171,7 @@ def test_unknown_fields_are_ignored_and_content_parts_joined():
             b' "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},'
             b' {"role": "assistant", "content": null}]}')
     request = decode_body(body, ChatCompletionRequest)
-    assert openai_api.chat_messages(request) == [{"role": "developer", "content": "a\nb"},
+    assert openai_api.chat_messages(request) == [{"role": "system", "content": "a\nb"},
                                                  {"role": "assistant", "content": ""}]
 
 
@@ -214,3 +217,13 @@ def test_every_vllm_extension_refused_is_a_field_the_schemas_decode():
     (msgspec drops unknown keys) and so never refused."""
     fields = set(ChatCompletionRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__)
     assert set(openai_api.VLLM_EXTENSIONS) <= fields
+
+
+def test_a_developer_message_reaches_the_chat_template_as_the_system_message():
+    """OpenAI's ``developer`` role replaces ``system``; a template that knows only ``system`` would otherwise add
+    its default system prompt and a ``developer`` turn the model never saw (README trial 8)."""
+    request = decode_body(b'{"model": "m", "messages": [{"role": "developer", "content": "Be terse."}, '
+                          b'{"role": "user", "content": "hi"}]}', ChatCompletionRequest)
+    openai_api.check_unsupported(request)
+    assert openai_api.chat_messages(request) == [{"role": "system", "content": "Be terse."},
+                                                 {"role": "user", "content": "hi"}]

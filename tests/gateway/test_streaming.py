@@ -51,14 +51,16 @@ def test_chat_completion_object():
                                   "finish_reason": "length"}
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-def test_chunk_templates_equal_encoding_the_chunk_objects(kind):
-    chunks = ChunkFactory(kind, 'chatcmpl-"quoted"\\id', 1712345678, 'mödel "x"')
+def test_chunk_templates_equal_encoding_the_chunk_objects(kind, include_usage):
+    """With include_usage, every chunk but the usage one has ``"usage": null`` (OpenAI's stream_options docs)."""
+    chunks = ChunkFactory(kind, 'chatcmpl-"quoted"\\id', 1712345678, 'mödel "x"', include_usage)
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def encoded(choices: list[dict], **extra) -> bytes:
         chunk = {"id": 'chatcmpl-"quoted"\\id', "object": obj, "created": 1712345678, "model": 'mödel "x"',
-                 "choices": choices, **extra}
+                 "choices": choices, **({"usage": None} if include_usage else {}), **extra}
         return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
     for index in (0, 3, 12):

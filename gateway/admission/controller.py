@@ -369,14 +369,11 @@ class AdmissionController(Generic[ReservationT]):
 
     def usable_sequence_slots(self, tier: str, total_slots: int) -> int:
         """Return the most of ``total_slots`` sequence slots that requests of ``tier`` can hold at once: all but the
-        shares the tiers above it reserve (``reserved_slot_fraction``, rounded as the dispatcher rounds them); all
-        with admission off."""
+        shares the tiers above it reserve, as the dispatcher counts them (``WaitEstimator.usable_slots``); all
+        with admission off (no reserved shares)."""
         if not self._enabled:
             return total_slots
-        priority = self._queues[tier].config.priority
-        return total_slots - sum(math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5)
-                                 for queue in self._queues.values()
-                                 if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0)
+        return self._waits.usable_slots(self._queues[tier].config.priority, total_slots)
 
     def queue_depths(self) -> dict[str, int]:
         """Return the requests queued per tier, by tier name."""

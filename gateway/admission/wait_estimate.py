@@ -156,13 +156,22 @@ class WaitEstimator:
     def free_slots(self, priority: int, total_slots: int) -> tuple[int, int]:
         """Return (free, unused reserved) sequence slots of ``total_slots`` for a request of tier priority
         ``priority``: free = those not admitted − the unused reserved ones, those that tiers above it keep
-        (``reserved_slot_fraction``, rounded) and are not using; free may be negative."""
-        unused_reserved = sum(
-            max(0, math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5) - queue.num_in_flight)
-            for queue in self._queues.values()
-            if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0
-        )
+        (:meth:`_reserved_slots_above`) and are not using; free may be negative."""
+        unused_reserved = sum(max(0, reserved - queue.num_in_flight)
+                              for queue, reserved in self._reserved_slots_above(priority, total_slots))
         return total_slots - len(self._in_flight) - unused_reserved, unused_reserved
+
+    def usable_slots(self, priority: int, total_slots: int) -> int:
+        """Return the most of ``total_slots`` sequence slots requests of tier priority ``priority`` can hold at
+        once: all but those the tiers above it reserve (:meth:`_reserved_slots_above`)."""
+        return total_slots - sum(reserved for _, reserved in self._reserved_slots_above(priority, total_slots))
+
+    def _reserved_slots_above(self, priority: int, total_slots: int) -> list[tuple[TierQueue, int]]:
+        """Return each tier above ``priority`` that reserves slots, with its share of ``total_slots``
+        (``reserved_slot_fraction`` × total, rounded half up)."""
+        return [(queue, math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5))
+                for queue in self._queues.values()
+                if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0]
 
     def work_ahead_tokens(self, priority: int) -> float:
         """Return the expected work tokens queued in tiers of at least ``priority``."""

@@ -31,12 +31,14 @@ class UnixAddress:
     path: str
 
 
-def parse_address(text: str, option: str) -> TcpAddress | UnixAddress:
+def parse_address(text: str, option: str, check_path: bool = True) -> TcpAddress | UnixAddress:
     """Parse a worker address and check what can be checked without binding or connecting.
 
     Args:
         text: ``HOST:PORT`` (port 1-65535; ``[::1]:9100`` for IPv6) or ``unix:PATH`` (in a folder that exists).
         option: the option it came from, for the message (``--listen``).
+        check_path: check a Unix socket path's folder and length (False where the connect that follows says what
+            is wrong, and is retried: a worker's socket folder may not exist yet).
 
     Returns:
         The :class:`TcpAddress` or :class:`UnixAddress`.
@@ -49,6 +51,8 @@ def parse_address(text: str, option: str) -> TcpAddress | UnixAddress:
         if not path:
             raise ConfigError(f"{option}: expected unix:PATH, got {text!r} (no path)")
         folder = os.path.dirname(path) or "."
+        if not check_path:
+            return UnixAddress(path)
         if not os.path.isdir(folder):
             raise ConfigError(f"{option}: {text}: the folder {folder} does not exist")
         if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:

@@ -23,6 +23,7 @@ import ipaddress
 import secrets
 from pathlib import Path
 
+from shared.addresses import UnixAddress, parse_address
 from shared.config import ConfigError, WorkerConfig
 from shared.protocol import (
     MAX_HANDSHAKE_FRAME_BYTES,
@@ -83,10 +84,15 @@ def new_secret() -> bytes:
 
 def is_loopback_listen(listen: str) -> bool:
     """Return whether ``--listen`` (``HOST:PORT`` or ``unix:PATH``) is reachable from this machine only: a Unix
-    socket, ``localhost``, an empty host (the worker then binds 127.0.0.1) or a loopback IP address."""
-    if listen.startswith("unix:"):
+    socket, ``localhost``, an empty host (the worker then binds 127.0.0.1) or a loopback IP address.
+
+    Raises:
+        ConfigError: ``listen`` is no such address (:func:`shared.addresses.parse_address`).
+    """
+    address = parse_address(listen, "--listen", check_path=False)
+    if isinstance(address, UnixAddress):
         return True
-    host = listen.rpartition(":")[0].strip("[]")
+    host = address.host
     if host in ("", "localhost"):
         return True
     try:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from shared.addresses import UnixAddress, parse_address
 from shared.auth import HANDSHAKE_TIMEOUT_S, AuthError, authenticate_worker
 from shared.protocol import FrameCodec, FrameSplitter, Hello, ProtocolError, gateway_codec
 
@@ -99,10 +100,10 @@ class WorkerConnector:
                 await asyncio.sleep(RECONNECT_INTERVAL_S)
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self.address.startswith("unix:"):
-            return await asyncio.open_unix_connection(self.address[len("unix:"):])
-        host, _, port = self.address.rpartition(":")
-        return await asyncio.open_connection(host or "127.0.0.1", int(port))
+        address = parse_address(self.address, "worker address", check_path=False)
+        if isinstance(address, UnixAddress):
+            return await asyncio.open_unix_connection(address.path)
+        return await asyncio.open_connection(address.host or "127.0.0.1", address.port)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          codec: FrameCodec) -> Hello | None:

@@ -575,11 +575,8 @@ async def test_an_arrival_that_needs_more_workers_wakes_the_autoscaler_at_once()
         await asyncio.gather(*waiting, return_exceptions=True)
 
 
-def test_before_a_cold_start_is_measured_or_set_a_request_waits_for_the_worker_instead_of_a_503_on_a_guess():
-    """README trial 8: right after `make run`, requests were refused with Retry-After 30 (the unmeasured default
-    cold start, past standard's 15 s) for a worker that was ready 2 s later. With ``autoscale.initial_cold_start_s``
-    unset, a request waits for the first cold start up to its deadline."""
-    config = f"""
+# one sim pool scaled to zero that may start one worker, which stays up for the test
+SCALED_TO_ZERO = f"""
 [sim]
 time_scale = {SIM_TIME_SCALE}
 
@@ -593,7 +590,13 @@ min_workers = 0
 max_workers = 1
 scale_down_after_s = 60.0
 """
-    with Gateway(config) as gw:
+
+
+def test_before_a_cold_start_is_measured_or_set_a_request_waits_for_the_worker_instead_of_a_503_on_a_guess():
+    """README trial 8: right after `make run`, requests were refused with Retry-After 30 (the unmeasured default
+    cold start, past standard's 15 s) for a worker that was ready 2 s later. With ``autoscale.initial_cold_start_s``
+    unset, a request waits for the first cold start up to its deadline."""
+    with Gateway(SCALED_TO_ZERO) as gw:
         assert gw.pool("sim")["workers"] == {"starting": 0, "ready": 0, "draining": 0}
 
         async def first_request():
@@ -666,23 +669,10 @@ def test_a_job_for_a_pool_scaled_to_zero_starts_a_worker_and_runs(tmp_path):
     interactive request to start a worker (found by a README trial). The gate lets one job through to start it."""
     from tests.gateway.jobs_support import http
 
-    config = f"""
-[sim]
-time_scale = {SIM_TIME_SCALE}
-
-[autoscale]
-interval_s = 0.25
-
+    config = SCALED_TO_ZERO + f"""
 [jobs]
 sqlite_path = "{tmp_path / 'jobs.sqlite3'}"
 poll_interval_s = 0.05
-
-[[pools]]
-name = "sim"
-backend = "sim"
-min_workers = 0
-max_workers = 1
-scale_down_after_s = 60.0
 """
     with Gateway(config) as gw:
         assert gw.pool("sim")["workers"] == {"starting": 0, "ready": 0, "draining": 0}

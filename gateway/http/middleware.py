@@ -29,6 +29,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.state import CLIENT_REQUEST_ID, CONFIG, GATEWAY_ID, METRICS, REQUEST_ID, REQUEST_LOG
 from shared.errors import ErrorCode, SluiceError, error_envelope
+from shared.logs import log_fields
 
 log = structlog.get_logger("sluice.gateway")
 
@@ -131,8 +132,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         level = request_log_level(request.path, endpoint, status)
         if level is not None:
             duration_ms = round((time.perf_counter() - started_s) * 1000, 2)
-            log.log(level, "request", request_id=request_id, method=request.method, path=request.path,
-                    status=status, duration_ms=duration_ms, **request[REQUEST_LOG])
+            log_fields(log, level, "request", {"request_id": request_id, "method": request.method,
+                                               "path": request.path, "status": status, "duration_ms": duration_ms,
+                                               **request[REQUEST_LOG]})
 
 
 POLL_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics", "/status"})  # balancers, Prometheus, the page

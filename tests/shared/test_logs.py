@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import re
 
 import pytest
 import structlog
 
-from shared.logs import choose_log_format, configure_logging
+from shared.logs import choose_log_format, configure_logging, log_fields
 
 
 class Terminal(io.StringIO):
@@ -58,3 +60,37 @@ def test_events_below_the_level_are_dropped():
     assert json.loads(stream.getvalue())["event"] == "poll"
     with pytest.raises(ValueError, match="SLUICE_LOG_LEVEL"):
         configure_logging(io.StringIO(), environ={"SLUICE_LOG_LEVEL": "loud"})
+
+
+def _without_timestamp(line: str) -> list:
+    record = json.loads(line)
+    assert record.pop("timestamp").endswith("Z")
+    return list(record.items())
+
+
+def test_log_fields_writes_the_line_structlog_writes():
+    stream = io.StringIO()
+    configure_logging(stream, environ={})
+    logger = structlog.get_logger("t")
+    fields = {"request_id": "ab12", "status": 200, "ttft_ms": 1.5, "tenant": "ünï", "stream": True, "n": None}
+    logger.log(logging.INFO, "request", **fields)
+    log_fields(logger, logging.INFO, "request", dict(fields))
+    structlog_line, fast_line = stream.getvalue().splitlines()
+    assert _without_timestamp(fast_line) == _without_timestamp(structlog_line)  # same keys, values and order
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", json.loads(fast_line)["timestamp"])
+
+
+def test_log_fields_drops_lines_below_the_level_and_follows_a_new_configuration():
+    stream = io.StringIO()
+    configure_logging(stream, environ={})
+    logger = structlog.get_logger("t")
+    log_fields(logger, logging.DEBUG, "request", {"path": "/healthz"})
+    assert stream.getvalue() == ""
+    terminal = Terminal()
+    configure_logging(terminal, environ={})  # console lines: structlog renders them
+    log_fields(structlog.get_logger("t"), logging.INFO, "request", {"path": "/v1/models"})
+    assert "/v1/models" in terminal.getvalue() and not terminal.getvalue().lstrip().startswith("{")
+    configure_logging(stream, environ={})
+    structlog.reset_defaults()  # configured otherwise: the JSON shortcut must not write to the old stream
+    log_fields(structlog.get_logger("t"), logging.INFO, "request", {"path": "/v1/models"})
+    assert stream.getvalue() == ""

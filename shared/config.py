@@ -14,10 +14,12 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import tempfile
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -226,8 +228,10 @@ class KVConfig(_Section):
             each name must be a tier.
         host_cache_gib: host RAM tier size in GiB (pinned memory on CUDA); 0 = off.
         disk_cache_gib: local disk tier size in GiB; 0 = off.
-        disk_cache_dir: folder for the disk tier ("" = the system temp folder); each worker uses its own subfolder.
-        redis_url: Redis tier, e.g. ``redis://127.0.0.1:6379/0``; "" = off. Shared by every worker on the model.
+        disk_cache_dir: folder for the disk tier ("" = the system temp folder), made when missing; each worker uses
+            its own subfolder.
+        redis_url: Redis tier, a ``redis://``, ``rediss://`` or ``unix://`` URL, e.g. ``redis://127.0.0.1:6379/0``;
+            "" = off. Shared by every worker on the model.
         redis_cache_gib: most bytes this worker keeps in Redis at once.
         redis_ttl_s: expiry of every Redis key in seconds (shorter when the block's own retention ends sooner).
         redis_timeout_s: connect and socket timeout of Redis calls in seconds.
@@ -774,8 +778,11 @@ def tokenizer_model_path(config: Config) -> str:
 
 def validate_worker_config(config: Config) -> None:
     """Check the worker settings that can be judged without the model: the KV block size against the context
-    length, and against the kernel's instances when ``worker.attention_backend = "cupy"``. (Whether
-    ``worker.kv_cache_gib`` holds two blocks depends on the model's bytes per block: the worker checks that.)
+    length, and against the kernel's instances when ``worker.attention_backend = "cupy"``; the scheme and port of
+    ``kv.redis_url`` (:data:`REDIS_URL_SCHEMES`; whether that Redis is up is a runtime matter: the worker recomputes
+    while it is down). (Whether ``worker.kv_cache_gib`` holds two blocks depends on the model's bytes per block: the
+    worker checks that; whether ``kv.disk_cache_dir`` can hold the disk tier's folder depends on the machine:
+    :func:`check_kv_disk_cache_dir`.)
 
     Raises:
         ConfigError: the message names the offending keys.
@@ -788,6 +795,28 @@ def validate_worker_config(config: Config) -> None:
     if config.worker.attention_backend == "cupy" and block_size_tokens not in CUPY_BLOCK_SIZES_TOKENS:
         raise ConfigError(f"worker.block_size_tokens = {block_size_tokens}: the cupy attention backend has kernels "
                           f"for {' or '.join(map(str, CUPY_BLOCK_SIZES_TOKENS))} tokens only")
+    check_redis_url(config.kv.redis_url, "kv.redis_url")
+
+
+#: URL schemes ``redis.Redis.from_url`` accepts.
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def check_redis_url(url: str, key: str) -> None:
+    """Check that a Redis URL has a scheme of :data:`REDIS_URL_SCHEMES` and a numeric port; "" passes (off).
+
+    Raises:
+        ConfigError: ``key: 'http://…' is not a redis://, rediss:// or unix:// URL`` (or the port's error).
+    """
+    if not url:
+        return
+    if not url.startswith(REDIS_URL_SCHEMES):
+        raise ConfigError(f"{key}: {url!r} is not a {', '.join(REDIS_URL_SCHEMES[:-1])} or {REDIS_URL_SCHEMES[-1]} "
+                          "URL (e.g. redis://127.0.0.1:6379/0)")
+    try:
+        urlsplit(url).port
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {url!r}: {exc}") from exc
 
 
 def validate_pool_config(config: Config) -> None:
@@ -1227,6 +1256,29 @@ def check_local_model_path(path: str, key: str) -> None:
     if path and looks_like_local_path(path) and not os.path.exists(path):
         where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
         raise ConfigError(f"{key}: {path!r} does not exist{where}")
+
+
+def check_kv_disk_cache_dir(kv: KVConfig) -> None:
+    """Check that the disk tier can make its folder in ``kv.disk_cache_dir`` when ``kv.disk_cache_gib`` > 0: the
+    folder is a writable directory, or the nearest of its parents that exists is one (the worker creates the rest).
+
+    Raises:
+        ConfigError: ``kv.disk_cache_dir: '/etc/passwd/sub': /etc/passwd is not a directory`` (or not writable);
+            a relative path is read from the working directory.
+    """
+    if kv.disk_cache_gib <= 0:
+        return
+    path = kv.disk_cache_dir or tempfile.gettempdir()
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
+    if not os.path.isdir(existing):
+        raise ConfigError(f"kv.disk_cache_dir: {path!r}: {existing} is not a directory{where}; set a folder the "
+                          "worker may create, or kv.disk_cache_gib = 0 (no disk tier)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"kv.disk_cache_dir: {path!r}: {existing} is not writable by this user{where}; set a "
+                          "folder the worker may create, or kv.disk_cache_gib = 0 (no disk tier)")
 
 
 def resolve_model_path(model: ModelConfig) -> str:

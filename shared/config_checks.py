@@ -21,12 +21,18 @@ from shared.config import (
     Config,
     ConfigError,
     PoolConfig,
+    check_kv_disk_cache_dir,
     check_local_model_path,
+    effective_pools,
     effective_tiers,
     tokenizer_model_path,
     validate_admission_config,
     validate_pool_config,
 )
+
+
+#: Pool backends whose local workers load a model and so build the KV offload tiers (``sim`` has no KV tensor).
+LOCAL_MODEL_BACKENDS = ("auto", "cpu", "cuda")
 
 
 class _KeysFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -107,7 +113,8 @@ def check_config(config: Config, environ: Mapping[str, str] | None = None) -> No
     (:func:`~shared.config.validate_pool_config`); the worker secret (:func:`~shared.auth.load_secret`); the API
     keys with ``admission.keys_file`` (:func:`load_api_keys`, :func:`index_api_keys`); the variables the
     ``api_key_env`` of upstream pools name; model and tokenizer paths that look local (they must exist) and the
-    default model when one is needed (it must be installed).
+    default model when one is needed (it must be installed); ``kv.disk_cache_dir`` when a pool starts local model
+    workers (:func:`~shared.config.check_kv_disk_cache_dir`: they make their disk tier's folder in it).
 
     Args:
         config: the decoded config.
@@ -126,6 +133,8 @@ def check_config(config: Config, environ: Mapping[str, str] | None = None) -> No
     for i, pool in enumerate(config.pools):
         check_local_model_path(pool.model, f"pools[{i}].model")
         check_local_model_path(pool.tokenizer, f"pools[{i}].tokenizer")
+    if any(pool.backend in LOCAL_MODEL_BACKENDS and pool.max_workers > 0 for pool in effective_pools(config)):
+        check_kv_disk_cache_dir(config.kv)
     if not config.model.synthetic:
         check_local_model_path(config.model.path, "model.path")
         tokenizer_model_path(config)  # the gateway's tokenizer: the default model when nothing else is named

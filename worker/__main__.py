@@ -38,6 +38,7 @@ from shared.config import (
     CONFIG_ERROR_EXIT_STATUS,
     Config,
     ConfigError,
+    check_kv_disk_cache_dir,
     load_config,
     resolve_model_path,
     validate_worker_config,
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend:
             config = with_overrides(config, worker={"backend": args.backend})
         validate_worker_config(config)
+        if config.worker.backend != "sim":  # the simulator has no KV tensor to offload
+            check_kv_disk_cache_dir(config.kv)
         secret = load_secret(config.worker)
     except ConfigError as exc:
         return config_error_exit(str(exc), args.exit_reason_file)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 
 from shared.config import (
@@ -9,8 +12,10 @@ from shared.config import (
     ApiKeyConfig,
     Config,
     ConfigError,
+    KVConfig,
     ModelConfig,
     PoolConfig,
+    WorkerConfig,
     looks_like_local_path,
     resolve_model_path,
 )
@@ -70,3 +75,61 @@ def test_upstream_api_key_reads_the_variable_it_names():
     with pytest.raises(ConfigError, match="TOKEN is not set"):
         check_config(Config(pools=[pool]), environ={})
     check_config(Config(pools=[pool]), environ={"TOKEN": "t"})
+
+
+def test_check_config_refuses_a_disk_cache_dir_the_worker_cannot_make_its_folder_in(tmp_path, monkeypatch):
+    """The user trial: ``kv.disk_cache_dir = "/etc/passwd/sub"`` passed ``config --check``; every worker then died
+    making its disk tier's folder and was restarted for ever."""
+    (tmp_path / "file").write_text("")
+    synthetic = ModelConfig(synthetic="llama-3-tiny")
+    with pytest.raises(ConfigError, match=rf"^kv.disk_cache_dir: '{tmp_path}/file/sub': {tmp_path}/file is not a "
+                                          r"directory; "):
+        check_config(Config(model=synthetic, kv=KVConfig(disk_cache_dir=f"{tmp_path}/file/sub")))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"relative to the working directory {tmp_path}"):
+        check_config(Config(model=synthetic, kv=KVConfig(disk_cache_dir="file/sub")))
+    check_config(Config(model=synthetic, kv=KVConfig(disk_cache_dir=f"{tmp_path}/new/deeper")))  # the worker makes it
+    check_config(Config(model=synthetic, kv=KVConfig(disk_cache_dir=str(tmp_path))))
+    check_config(Config(model=synthetic, kv=KVConfig(disk_cache_dir="file/sub", disk_cache_gib=0)))  # no disk tier
+    sim_only = Config(model=synthetic, worker=WorkerConfig(backend="sim"), kv=KVConfig(disk_cache_dir="file/sub"))
+    check_config(sim_only)  # the simulator keeps no KV on disk
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any folder")
+def test_check_config_refuses_a_disk_cache_dir_that_is_not_writable(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match=rf"^kv.disk_cache_dir: '{locked}/kv': {locked} is not writable"):
+        check_config(Config(model=ModelConfig(synthetic="llama-3-tiny"), kv=KVConfig(disk_cache_dir=f"{locked}/kv")))
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:6379/9", "'http://127.0.0.1:6379/9' is not a redis://, rediss:// or unix:// URL"),
+    ("127.0.0.1:6379", "'127.0.0.1:6379' is not a redis://, rediss:// or unix:// URL"),
+    ("redis://127.0.0.1:abc/0", "'redis://127.0.0.1:abc/0': Port could not be cast to integer value as 'abc'"),
+])
+def test_check_config_refuses_a_kv_redis_url_redis_cannot_take(url, message):
+    with pytest.raises(ConfigError, match="^kv.redis_url: " + re.escape(message)):
+        check_config(Config(model=ModelConfig(synthetic="llama-3-tiny"), kv=KVConfig(redis_url=url)))
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/9", "rediss://cache.example:6380/0", "unix:///tmp/r.sock",
+                                 "redis://:secret@127.0.0.1/0", ""])
+def test_check_config_takes_every_kv_redis_url_scheme_redis_takes_without_connecting(url):
+    check_config(Config(model=ModelConfig(synthetic="llama-3-tiny"), kv=KVConfig(redis_url=url)))
+
+
+def test_config_check_refuses_the_offload_settings_of_the_user_trial(tmp_path, capsys):
+    from sluice.config_cmd import main as config_main
+
+    (tmp_path / "file").write_text("")
+    config_path = tmp_path / "bad.toml"
+    config_path.write_text('[model]\nsynthetic = "llama-3-tiny"\n[worker]\nkv_cache_gib = 0.03\n'
+                           f'[kv]\ndisk_cache_dir = "{tmp_path}/file/sub"\n')
+    assert config_main(["--check", "--config", str(config_path)]) == 1
+    captured = capsys.readouterr()
+    assert f"kv.disk_cache_dir: '{tmp_path}/file/sub'" in captured.out + captured.err
+    config_path.write_text('[model]\nsynthetic = "llama-3-tiny"\n[kv]\nredis_url = "http://127.0.0.1:6379/9"\n')
+    assert config_main(["--check", "--config", str(config_path)]) == 1
+    captured = capsys.readouterr()
+    assert "kv.redis_url: 'http://127.0.0.1:6379/9' is not a redis://" in captured.out + captured.err

@@ -129,3 +129,44 @@ def test_the_command_line_reports_a_bad_listen_address_without_a_traceback(tmp_p
     assert result.returncode == 2
     assert result.stderr == ("sluice worker: --listen: port 99999 is out of range: must be 1-65535, got "
                              "'127.0.0.1:99999'\n")
+
+
+def test_a_disk_cache_dir_under_a_file_exits_with_status_2_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """The user trial: ``kv.disk_cache_dir = "/etc/passwd/sub"`` ended the worker in a NotADirectoryError traceback,
+    exit status 1, and the gateway restarted it for ever."""
+    import worker.__main__ as worker_main
+
+    monkeypatch.setattr(worker_main, "build_worker", lambda *args: pytest.fail("the model must not load"))
+    (tmp_path / "file").write_text("")
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(f'[worker]\nbackend = "cpu"\n[kv]\ndisk_cache_dir = "{tmp_path}/file/sub"\n')
+    reason_path = tmp_path / "w.exit-reason"
+    assert main(["--listen", f"unix:{tmp_path}/w.sock", "--config", str(config_path),
+                 "--exit-reason-file", str(reason_path)]) == CONFIG_ERROR_EXIT_STATUS
+    reason = reason_path.read_text().strip()
+    assert reason.startswith(f"kv.disk_cache_dir: '{tmp_path}/file/sub': {tmp_path}/file is not a directory"), reason
+    assert capsys.readouterr().err == f"sluice worker: {reason}\n"
+
+
+@pytest.mark.parametrize("kv_toml, key", [
+    ('disk_cache_dir = "{tmp_path}/file/sub"\nhost_cache_gib = 0', "kv.disk_cache_dir"),
+    ('redis_url = "http://127.0.0.1:6379/9"\ndisk_cache_gib = 0\nhost_cache_gib = 0', "kv.redis_url"),
+])
+def test_an_offload_tier_the_worker_cannot_build_is_a_config_error_with_exit_status_2(kv_toml, key, tmp_path,
+                                                                                       monkeypatch):
+    """Past the checks before the model loads (a folder removed meanwhile, a URL redis-py refuses): the tier's
+    OSError or ValueError is still the one-line config error the gateway does not restart, not a traceback. (No
+    capsys: the worker's loggers, cached on first use, would keep writing to its stream once closed.)"""
+    import worker.__main__ as worker_main
+
+    monkeypatch.setattr(worker_main, "check_kv_disk_cache_dir", lambda kv: None)
+    monkeypatch.setattr(worker_main, "validate_worker_config", lambda config: None)
+    (tmp_path / "file").write_text("")
+    config_path = tmp_path / "config.toml"
+    config_path.write_text('[model]\nsynthetic = "llama-3-tiny"\n[worker]\nbackend = "cpu"\nkv_cache_gib = 0.01\n'
+                           f'[kv]\n{kv_toml.format(tmp_path=tmp_path)}\n')
+    reason_path = tmp_path / "w.exit-reason"
+    assert main(["--listen", f"unix:{tmp_path}/w.sock", "--config", str(config_path),
+                 "--exit-reason-file", str(reason_path)]) == CONFIG_ERROR_EXIT_STATUS
+    reason = reason_path.read_text()
+    assert reason.startswith(f"{key}: ") and reason.count("\n") == 1, reason

@@ -12,12 +12,13 @@ A tier of size 0 is left out of the chain. Blocks move between the pool and a ti
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from shared.config import KVConfig
+from shared.config import ConfigError, KVConfig
 from worker.kv_cache.offload.base import OffloadedBlock, OffloadTier
 from worker.kv_cache.offload.cost import GB, CostModel
 from worker.kv_cache.offload.disk import DiskTier
@@ -177,19 +178,34 @@ def build_offload_chain(config: KVConfig, io, model_id: str, dtype_name: str, st
         dtype_name: the KV dtype, e.g. ``float32`` (namespaces Redis keys).
         stats: counters shared with the manager.
         clock: the manager's clock (block expiry deadlines are on it).
+
+    Raises:
+        ConfigError: ``kv.redis_url`` is no Redis URL, or the disk tier's folder cannot be made in
+            ``kv.disk_cache_dir``; the message names the key. (A Redis that is down is no error: the tier recomputes.)
     """
     stats = stats if stats is not None else KVStats()
     tiers: list[OffloadTier] = []
     if config.redis_url and config.redis_cache_gib > 0:
         from worker.kv_cache.offload.redis_tier import RedisTier
 
-        tiers.append(RedisTier(config.redis_url, model_id, dtype_name, io.block_bytes,
-                               int(config.redis_cache_gib * GIB), ttl_s=config.redis_ttl_s,
-                               timeout_s=config.redis_timeout_s, retry_s=config.redis_retry_s, stats=stats,
-                               clock=clock))
+        try:
+            tiers.append(RedisTier(config.redis_url, model_id, dtype_name, io.block_bytes,
+                                   int(config.redis_cache_gib * GIB), ttl_s=config.redis_ttl_s,
+                                   timeout_s=config.redis_timeout_s, retry_s=config.redis_retry_s, stats=stats,
+                                   clock=clock))
+        except ValueError as exc:  # redis.Redis.from_url: a scheme or port it does not take
+            raise ConfigError(f"kv.redis_url: {config.redis_url!r}: {exc}") from exc
     if config.disk_cache_gib > 0:
-        tiers.insert(0, DiskTier(int(config.disk_cache_gib * GIB), config.disk_cache_dir, stats=stats,
-                                 lower=tiers[0] if tiers else None, clock=clock))
+        try:
+            disk = DiskTier(int(config.disk_cache_gib * GIB), config.disk_cache_dir, stats=stats,
+                            lower=tiers[0] if tiers else None, clock=clock)
+        except OSError as exc:
+            for tier in tiers:
+                tier.close()
+            raise ConfigError(f"kv.disk_cache_dir: {config.disk_cache_dir or tempfile.gettempdir()!r}: cannot make "
+                              f"the disk tier's folder ({exc}); set a folder the worker may create, or "
+                              "kv.disk_cache_gib = 0 (no disk tier)") from exc
+        tiers.insert(0, disk)
     if config.host_cache_gib > 0:
         tiers.insert(0, HostTier(int(config.host_cache_gib * GIB), io.block_bytes, pin_memory=io.pin_memory,
                                  stats=stats, lower=tiers[0] if tiers else None, clock=clock))

@@ -229,7 +229,8 @@ class KVConfig(_Section):
         host_cache_gib: host RAM tier size in GiB (pinned memory on CUDA); 0 = off.
         disk_cache_gib: local disk tier size in GiB; 0 = off.
         disk_cache_dir: folder for the disk tier ("" = the system temp folder), made when missing; each worker uses
-            its own subfolder.
+            its own subfolder and removes those of workers that died, by pid, so containers (other pid namespaces)
+            must not share one.
         redis_url: Redis tier, a ``redis://``, ``rediss://`` or ``unix://`` URL, e.g. ``redis://127.0.0.1:6379/0``;
             "" = off. Shared by every worker on the model.
         redis_cache_gib: most bytes this worker keeps in Redis at once.

@@ -185,6 +185,36 @@ def test_disk_tier_writes_one_file_per_batch_and_removes_it_with_its_last_block(
     disk.close()
 
 
+def test_disk_tier_removes_the_folders_of_dead_workers_beside_its_own_and_nothing_else(tmp_path):
+    """User trial: a worker killed with SIGKILL left its ``sluice-kv-<pid>-*`` folder (75 MB) for ever."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid is no running process (until reused, which takes a pid space's worth of forks)
+    dead = tmp_path / f"sluice-kv-{child.pid}-k3_x9a0q"
+    (dead / "sub").mkdir(parents=True)
+    (dead / "00000001.kv").write_bytes(b"x" * 1000)
+    (dead / "sub" / "00000002.kv").write_bytes(b"y" * 24)
+    kept = [tmp_path / f"sluice-kv-{os.getpid()}-k3_x9a0q",  # a running worker's: this process
+            tmp_path / f"sluice-kv-{child.pid}-short",  # not mkdtemp's 8 characters
+            tmp_path / f"sluice-kv-{child.pid}-k3_x9a0q.bak",
+            tmp_path / f"other-kv-{child.pid}-k3_x9a0q"]
+    for path in kept:
+        path.mkdir()
+    not_a_folder = tmp_path / f"sluice-kv-{child.pid}-abcdefgh"
+    not_a_folder.write_bytes(b"z")
+    with capture_logs() as logs:
+        disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path))
+    assert not dead.exists()
+    assert all(path.is_dir() for path in kept) and not_a_folder.is_file() and os.path.isdir(disk.folder)
+    removed = [entry for entry in logs if entry["event"] == "kv_disk_dead_worker_folder_removed"]
+    assert removed == [{"event": "kv_disk_dead_worker_folder_removed", "log_level": "info", "path": str(dead),
+                        "pid": child.pid, "size_bytes": 1024}]
+    disk.close()
+    assert not os.path.exists(disk.folder)
+
+
 def test_disk_block_is_readable_while_written_and_never_half_written_under_its_name(tmp_path):
     disk = DiskTier(8 * BLOCK_BYTES, str(tmp_path))
     writer = BlockedWriter(disk)

@@ -5,8 +5,10 @@ File layout (little endian)::
     [4 bytes: header length H][H bytes: msgpack [(parent_hash, token_ids), …] per row][n × block_bytes: the rows]
 
 The header travels with the data so a reload verifies the token ids the bytes were computed from, not an index
-that could disagree with the file. The folder is private to the worker (created at start, removed at close);
-nothing survives a restart, so no stale file from another model or dtype can ever be read.
+that could disagree with the file. The folder (``sluice-kv-<pid>-<8 random characters>``) is private to the worker:
+created at start, removed at close; nothing survives a restart, so no stale file from another model or dtype can
+ever be read. A worker that was killed cannot remove its folder, so a new disk tier removes the folders beside its
+own whose pid is no running process (:func:`remove_folders_of_dead_workers`).
 
 The engine thread never waits for the disk: :meth:`DiskTier.put_many` copies the batch into memory (a buffer the
 writer handed back, :class:`~worker.kv_cache.offload.base.ReusableRows`) and queues it; the writer thread writes it
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import shutil
 import struct
 import tempfile
@@ -39,6 +42,60 @@ log = structlog.get_logger("sluice.worker.kv")
 _HEADER_LEN = struct.Struct("<I")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(list[tuple[int | None, tuple[int, ...]]])
+
+
+#: A disk tier's folder: ``tempfile.mkdtemp(prefix=f"sluice-kv-{pid}-")`` (8 characters of mkdtemp's alphabet).
+_FOLDER_NAME = re.compile(r"sluice-kv-(?P<pid>[0-9]+)-[a-z0-9_]{8}")
+
+
+def _is_running(pid: int) -> bool:
+    """Return whether process ``pid`` exists (one of another user counts: signalling it is not allowed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _folder_bytes(path: str) -> int:
+    """Return the bytes of the files under ``path`` (those that vanish or cannot be read count 0)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def remove_folders_of_dead_workers(root: str) -> list[str]:
+    """Remove the disk tier folders in ``root`` (``sluice-kv-<pid>-<8 characters>``, nothing else) whose pid is no
+    running process: those of workers that were killed before they could remove their own. Logs one
+    ``kv_disk_dead_worker_folder_removed`` line per folder, with its size.
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError as exc:
+        log.warning("kv_disk_dead_worker_folders_unreadable", root=root, error=str(exc))
+        return removed
+    for entry in entries:
+        match = _FOLDER_NAME.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False) or _is_running(int(match["pid"])):
+            continue
+        size_bytes = _folder_bytes(entry.path)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            log.info("kv_disk_dead_worker_folder_removed", path=entry.path, pid=int(match["pid"]),
+                     size_bytes=size_bytes)
+            removed.append(entry.path)
+    return removed
 
 
 class _Batch:
@@ -67,7 +124,8 @@ class DiskTier(OffloadTier):
 
     Args:
         capacity_bytes: most bytes of block data on disk (headers not counted; they are < 1% of a block).
-        root_dir: parent folder ("" = the system temp folder); the tier makes its own subfolder inside.
+        root_dir: parent folder ("" = the system temp folder); the tier makes its own subfolder inside and removes
+            those of workers that died (:func:`remove_folders_of_dead_workers`).
         max_pending_bytes: most bytes of block data queued for the writer; a batch beyond it is dropped.
         stats, lower, clock: see :class:`OffloadTier`.
     """
@@ -83,6 +141,7 @@ class DiskTier(OffloadTier):
         root = root_dir or tempfile.gettempdir()
         os.makedirs(root, exist_ok=True)
         self.folder = tempfile.mkdtemp(prefix=f"sluice-kv-{os.getpid()}-", dir=root)
+        remove_folders_of_dead_workers(root)
         self.max_pending_bytes = max_pending_bytes
         self.pending_bytes = 0
         self._lock = threading.Lock()

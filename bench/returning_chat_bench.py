@@ -20,7 +20,7 @@ machine's load over the minutes of a run falls on every configuration alike.
 Part ``returning`` (tiers off / host RAM / host RAM + disk): TTFT p50 / p99 of returning turns and of first turns
 (client side, streaming ``/v1/completions``, 4 output tokens), prefill tokens saved
 (``usage.prompt_tokens_details.cached_tokens`` ÷ prompt tokens), and prefix hit tokens per storage tier
-(``sluice_worker_kv_prefix_hit_tokens{tier}``).
+(``sluice_worker_kv_prefix_hit_tokens_total{tier}``).
 
 Part ``miss_penalty`` (tiers off / host RAM + disk / host RAM + disk + Redis): the first ``--miss-requests`` of
 the same prompt lengths with every prompt unique (nothing returns; a fresh salt per run, so nothing a previous run left in Redis is found), so the tiers
@@ -155,9 +155,9 @@ def kv_counters(base_url: str) -> dict[str, float]:
     text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        for name in ("sluice_worker_kv_prefix_hit_tokens", "sluice_worker_kv_prefix_query_tokens"):
+        for name in ("sluice_worker_kv_prefix_hit_tokens_total", "sluice_worker_kv_prefix_query_tokens_total"):
             if line.startswith(name + "{") or line.startswith(name + " "):
-                key = name.removeprefix("sluice_worker_kv_")
+                key = name.removeprefix("sluice_worker_kv_").removesuffix("_total")
                 if 'tier="' in line:
                     key += ":" + line.split('tier="')[1].split('"')[0]
                 out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])

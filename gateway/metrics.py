@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.admission.stats import AdmissionStats
 from gateway.loop_metrics import LoopCounterFamily, LoopHistogramFamily, LoopMetricsCollector
 from gateway.workers.pool import WorkerStatus
-from shared.protocol import Capacity
+from shared.protocol import KV_STAT_COUNTERS, Capacity
 
 if TYPE_CHECKING:  # gateway.jobs imports gateway.state, which imports this module
     from gateway.jobs.models import JobsSummary
@@ -70,7 +70,8 @@ class Metrics:
     ``sluice_breaker_state{worker,backend}`` (0 closed, 1 half-open, 2 open), ``sluice_worker_ready{worker,backend}``,
     ``sluice_worker_info{worker,backend,device,model}``, ``sluice_worker_decode_tokens_per_second{worker,backend}``,
     ``sluice_worker_prefill_tokens_per_second{worker,backend}`` and ``sluice_worker_kv_<key>{worker,backend,...}``
-    for each entry of the worker's ``Capacity.kv_stats``. ``backend="sim"`` marks the roofline simulator.
+    for each entry of the worker's ``Capacity.kv_stats`` (a counter ``…_<key>_total`` for the totals of
+    ``shared.protocol.KV_STAT_COUNTERS``). ``backend="sim"`` marks the roofline simulator.
 
     The gateway process itself: prometheus-client's ``process_*`` metrics (``process_cpu_seconds_total``,
     ``process_resident_memory_bytes``, ``process_open_fds``, …; Linux only) — what a leak or a spinning loop shows in.
@@ -278,8 +279,9 @@ class StateCollector:
                 samples.append(({"worker": worker.name, "backend": backend, **labels}, float(value)))
         yield from (ready, breaker, info, decode, prefill)
         for suffix, (label_names, samples) in kv_families.items():
-            family = GaugeMetricFamily(f"sluice_worker_kv_{suffix}",
-                                       f"Worker KV statistic {suffix} (Capacity.kv_stats)", labels=label_names)
+            family_type = CounterMetricFamily if suffix in KV_STAT_COUNTERS else GaugeMetricFamily
+            family = family_type(f"sluice_worker_kv_{suffix}",
+                                 f"Worker KV statistic {suffix} (Capacity.kv_stats)", labels=label_names)
             for labels, value in samples:
                 family.add_metric([labels.get(name, "") for name in label_names], value)
             yield family

@@ -214,6 +214,20 @@ class Failed(msgspec.Struct, tag=True, array_like=True, frozen=True):
     message: str
 
 
+#: Names in ``Capacity.kv_stats`` (the part before any ``{labels}``) that are monotonic totals since the worker
+#: started (``worker.kv_cache.stats.KVStats.add``): the gateway exports them as Prometheus counters,
+#: ``sluice_worker_kv_<name>_total``. Every other name is a gauge: a level, an estimate, a quantile.
+KV_STAT_COUNTERS = frozenset({
+    "prefix_query_tokens", "prefix_hit_tokens", "partial_block_hit_tokens",
+    "evicted_blocks", "expired_blocks",
+    "offloaded_bytes", "offloaded_blocks", "reloaded_bytes", "reloaded_blocks",
+    "offload_evicted_blocks", "offload_dropped_blocks",
+    "reload_decisions_total", "recompute_decisions_total", "recompute_decision_tokens", "reload_verify_failures_total",
+    "preemptions", "swapped_out_bytes", "swapped_in_bytes",
+    "redis_errors_total", "pressure_switches_total",
+})
+
+
 class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """The worker's state, sent every ``capacity_interval_s`` and when it changes.
 
@@ -234,7 +248,8 @@ class Capacity(msgspec.Struct, tag=True, array_like=True, frozen=True):
         draining: the worker takes no new requests.
         kv_stats: KV lifetime counters and gauges (hits per storage tier, evictions, offload / reload bytes,
             reload vs recompute decisions, preemptions by mode, block lifetime and reuse gap); keys are
-            ``name`` or ``name{label=value,...}`` (see ``worker.kv_cache.stats.KVStats``).
+            ``name`` or ``name{label=value,...}`` (see ``worker.kv_cache.stats.KVStats``); the names of
+            :data:`KV_STAT_COUNTERS` are totals since the worker started, the others gauges.
         sequence_decode_tokens_per_s: decode steps per second of the steps that decode: 1 / TPOT, the tokens/s
             one running sequence gets, whatever the batch (0.0 = not measured; after the fields above, so that a
             report from an older worker still decodes).

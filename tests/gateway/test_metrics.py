@@ -59,9 +59,37 @@ def test_state_is_exported_at_scrape_time_with_backend_labels():
         'sluice_worker_info{backend="sim",device="sim:roofline",model="M",worker="w0"} 1.0',
         'sluice_worker_decode_tokens_per_second{backend="sim",worker="w0"} 40.0',
         'sluice_worker_kv_evictions{backend="sim",policy="lru",worker="w0"} 5.0',
-        'sluice_worker_kv_preemptions{backend="sim",mode="swap",worker="w0"} 1.0',
-        'sluice_worker_kv_preemptions{backend="sim",mode="",worker="w0"} 2.0',
+        'sluice_worker_kv_preemptions_total{backend="sim",mode="swap",worker="w0"} 1.0',
+        'sluice_worker_kv_preemptions_total{backend="sim",mode="",worker="w0"} 2.0',
         'sluice_worker_kv_stat_usage{backend="sim",worker="w0"} 0.5',  # never clashes with sluice_worker_kv_usage
     ):
         assert line in text, line
-    assert metrics.render().count(b"# TYPE sluice_worker_kv_preemptions gauge") == 1
+    assert metrics.render().count(b"# TYPE sluice_worker_kv_preemptions_total counter") == 1
+
+
+def test_kv_totals_are_counters_ending_in_total_and_levels_stay_gauges():
+    """User trial: ``reload_decisions_total``, ``reloaded_blocks``, ``offloaded_bytes`` and ``prefix_hit_tokens``
+    only ever grow, but were exported as gauges (``rate()`` then misreads a worker restart)."""
+    kv_stats = {"reload_decisions_total": 3.0, "reloaded_blocks{tier=host}": 4.0, "offloaded_bytes{tier=disk}": 5.0,
+                "prefix_hit_tokens{tier=device}": 6.0, "tier_used_bytes{tier=host}": 7.0, "redis_up": 1.0,
+                "block_lifetime_s_p50": 8.0}
+    capacity = {"decode_tokens_per_s": 1.0, "prefill_tokens_per_s": 1.0, "kv_stats": kv_stats}
+    metrics = Metrics()
+    metrics.attach_state(_admission_stats, lambda: [
+        _worker("w0", backend="cpu", ready=True, breaker={"state": "closed"}, hello=None, capacity=capacity)])
+    text = metrics.render().decode()
+    for line in (
+        "# TYPE sluice_worker_kv_reload_decisions_total counter",
+        'sluice_worker_kv_reload_decisions_total{backend="cpu",worker="w0"} 3.0',
+        "# TYPE sluice_worker_kv_reloaded_blocks_total counter",
+        'sluice_worker_kv_reloaded_blocks_total{backend="cpu",tier="host",worker="w0"} 4.0',
+        "# TYPE sluice_worker_kv_offloaded_bytes_total counter",
+        'sluice_worker_kv_offloaded_bytes_total{backend="cpu",tier="disk",worker="w0"} 5.0',
+        "# TYPE sluice_worker_kv_prefix_hit_tokens_total counter",
+        'sluice_worker_kv_prefix_hit_tokens_total{backend="cpu",tier="device",worker="w0"} 6.0',
+        "# TYPE sluice_worker_kv_tier_used_bytes gauge",
+        "# TYPE sluice_worker_kv_redis_up gauge",
+        "# TYPE sluice_worker_kv_block_lifetime_s_p50 gauge",
+    ):
+        assert line in text, line
+    assert "sluice_worker_kv_reloaded_blocks_created" not in text  # no start time made up at scrape time

@@ -2,15 +2,18 @@
 
 A snapshot is a flat ``dict[str, float]``. A key is a metric name, optionally followed by labels in braces, the
 way Prometheus writes a sample: ``prefix_hit_tokens{tier=host}``, ``evicted_blocks{policy=lru,tier=free}``.
-Names ending in ``_total`` / ``_tokens`` / ``_bytes`` / ``_blocks`` (without ``_p50``, ``_p90``) are monotonic
-counters since the worker started; ``*_p50`` / ``*_p90`` are quantiles over the last :data:`RESERVOIR_SIZE`
-samples; ``*_used_bytes`` / ``*_capacity_bytes`` / ``redis_up`` are gauges.
+The names :meth:`KVStats.add` counts are monotonic counters since the worker started, each listed in
+:data:`shared.protocol.KV_STAT_COUNTERS` (the gateway exports them as Prometheus counters); ``*_p50`` / ``*_p90``
+are quantiles over the last :data:`RESERVOIR_SIZE` samples; ``*_used_bytes`` / ``*_capacity_bytes`` / ``redis_up``
+and the other :meth:`KVStats.set_gauge` names are gauges.
 """
 
 from __future__ import annotations
 
 import collections
 import statistics
+
+from shared.protocol import KV_STAT_COUNTERS
 
 RESERVOIR_SIZE = 1024
 STORAGE_TIERS = ("device", "host", "disk", "redis")
@@ -83,7 +86,14 @@ class KVStats:
         self.reuse_gap_s = _Summary()
 
     def add(self, name: str, value: float = 1.0, **labels: str) -> None:
-        """Add ``value`` to the counter ``name{labels}``."""
+        """Add ``value`` to the counter ``name{labels}``.
+
+        Raises:
+            ValueError: ``name`` is not in :data:`shared.protocol.KV_STAT_COUNTERS` (the gateway would export it
+                as a gauge).
+        """
+        if name not in KV_STAT_COUNTERS:
+            raise ValueError(f"KV counter {name!r} is not listed in shared.protocol.KV_STAT_COUNTERS")
         self.counters[labelled(name, **labels)] += value
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:

@@ -75,6 +75,8 @@ class KVStats:
     - ``block_lifetime_s_{count,sum,p50,p90}``: seconds a block stayed cached on the device (cached → evicted).
     - ``reuse_gap_s_{count,sum,p50,p90}``: seconds between a block's release and its reuse by a prefix hit.
     - ``redis_errors_total``, ``redis_up`` (1 or 0; absent without Redis).
+    - ``pressure_switches_total{level=L}``: changes of the pressure level, by the level entered; ``pressure_level``
+      (0 normal, 1 elevated, 2 critical; a gauge).
     - ``tier_used_bytes{tier=S}``, ``tier_capacity_bytes{tier=S}``: occupancy of each offload tier (gauges).
     - ``measured_bandwidth_bytes_per_s{tier=S}``, ``measured_prefill_tokens_per_s``: the cost model's estimates.
     """

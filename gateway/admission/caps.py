@@ -79,15 +79,16 @@ class OutputCapper:
         self._config = config
         self._pressure = pressure
         self._tiers = {tier.name: tier for tier in effective_tiers(config)}
+        self._reserved_kv_fraction_above = {
+            tier.name: sum(t.reserved_kv_fraction for t in self._tiers.values() if t.priority > tier.priority)
+            if config.admission.enabled else 0.0
+            for tier in self._tiers.values()}
 
     def reserved_kv_fraction_above(self, tier: str) -> float:
         """Return the fraction of a pool's KV blocks that the tiers above ``tier`` reserve (their
         ``reserved_kv_fraction``, summed): admission never grants a request of ``tier`` more than the rest. 0.0
         with admission off (no reserved shares)."""
-        if not self._config.admission.enabled:
-            return 0.0
-        priority = self._tiers[tier].priority
-        return sum(t.reserved_kv_fraction for t in self._tiers.values() if t.priority > priority)
+        return self._reserved_kv_fraction_above[tier]
 
     @property
     def pressure_monitor(self) -> PressureMonitor | None:

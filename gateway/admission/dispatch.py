@@ -51,7 +51,11 @@ class Dispatcher:
         self._dispatch_requested = False
 
     def dispatch(self) -> None:
-        """Admit queued tickets, best first, while the capacity view finds room (re-entrancy safe)."""
+        """Admit queued tickets, best first, while the capacity view finds room (re-entrancy safe). With nothing
+        queued and no backlog, returns at once: a pass would shed, account and admit nothing (every request's
+        release asks for one)."""
+        if not self._rates.backlogged and not any(queue.tickets for queue in self._queues.values()):
+            return
         if self._dispatching:
             self._dispatch_requested = True
             return

@@ -95,8 +95,9 @@ class RequestStream:
         return self._error is not None
 
     def _started(self) -> None:
-        if self.reservation is not None:
-            self.worker.prefill_started(self.reservation)
+        reservation = self.reservation
+        if reservation is not None and reservation.prefill_pending:  # once per request, not per reply
+            self.worker.prefill_started(reservation)
 
     def _push(self, delta: TokenDelta) -> None:
         self._started()

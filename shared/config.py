@@ -880,6 +880,10 @@ def validate_pool_config(config: Config) -> None:
         raise ConfigError("registry: need 0 < heartbeat_interval_s < heartbeat_ttl_s")
     if registry.poll_interval_s <= 0 or registry.timeout_s <= 0:
         raise ConfigError("registry: poll_interval_s and timeout_s must be > 0")
+    check_redis_url(registry.redis_url, "registry.redis_url")
+    check_redis_url(config.ratelimit.redis_url, "ratelimit.redis_url")
+    if config.jobs.store == "redis":
+        check_redis_url(config.jobs.redis_url, "jobs.redis_url")
     if config.ratelimit.backend == "redis" and not (config.ratelimit.redis_url or registry.redis_url):
         raise ConfigError('ratelimit.redis_url: the "redis" backend needs a Redis URL (or registry.redis_url)')
     if config.ratelimit.tier_counters_interval_s <= 0:

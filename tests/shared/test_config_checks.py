@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+import msgspec
 import pytest
 
 from shared.config import (
@@ -133,3 +134,14 @@ def test_config_check_refuses_the_offload_settings_of_the_user_trial(tmp_path, c
     assert config_main(["--check", "--config", str(config_path)]) == 1
     captured = capsys.readouterr()
     assert "kv.redis_url: 'http://127.0.0.1:6379/9' is not a redis://" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("section, key", [("registry", "registry.redis_url"), ("ratelimit", "ratelimit.redis_url"),
+                                          ("jobs", "jobs.redis_url")])
+def test_check_config_refuses_every_redis_url_redis_cannot_take(section, key):
+    settings = {"redis_url": "http://127.0.0.1:6379/9"}
+    if section == "jobs":
+        settings["store"] = "redis"
+    config = msgspec.convert({"model": {"synthetic": "llama-3-tiny"}, section: settings}, Config)
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}: 'http://127.0.0.1:6379/9' is not a redis://"):
+        check_config(config)

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.common import mt_bench_prompts, write_result
+from bench.gateway_ab import commit_of
 from bench.gateway_bench import CONFIG, MODEL, run_client
 from tests.support.server import REPO_ROOT, SluiceProcess
 
@@ -119,8 +120,7 @@ def main() -> None:
     write_result(args.out, {
         "bench": "gateway_instructions",
         "checkout": str(checkout),
-        "commit": subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": commit_of(checkout),
         "requests_ok": num_ok, "requests_failed": len(load["errors"]),
         "load_wall_s": round(load_wall_s, 2),
         "instructions_per_request": round(load_instructions / num_ok),

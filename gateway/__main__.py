@@ -18,9 +18,10 @@ A config error (:func:`shared.config_checks.check_config`: every check that need
 the socket is bound; one found later, while the gateway starts, ends it the same way.
 
 When no pool can ever serve — every pool's local workers stopped on a configuration error (a worker's exit status 2)
-before any was ready, and no remote worker or upstream exists — ``sluice serve`` does not wait on: it logs the
-workers' reasons, prints ``sluice serve: no pool can serve: <reason>`` and exits with status 2. A pool that fails so
-while others serve is reported (``/readyz``, ``/status``) and the gateway serves on.
+before any was ready, no remote worker or upstream exists and no pool scales from zero — ``sluice serve`` does not
+wait on: it logs the workers' reasons, prints ``sluice serve: no pool can serve: <reason>`` and exits with status 2.
+A pool that fails so while others serve, or a pool scaled to zero whose first worker (started for a request) fails
+so, is reported (``/readyz``, ``/status``), its requests get a 503 naming the error, and the gateway serves on.
 
 The listening socket is bound before anything else starts: an address already in use (or one this machine does not
 have) ends ``sluice serve`` with one line naming it and exit status 1, before any worker is spawned.

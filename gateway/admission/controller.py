@@ -360,6 +360,11 @@ class AdmissionController(Generic[ReservationT]):
         self._draining = True
         self.shedder.shed_all(ErrorCode.DRAINING, "The server is shutting down; retry on another instance.")
 
+    def shed_queued(self, code: ErrorCode, message: str, retry_after_s: float) -> None:
+        """Turn every queued ticket away with ``code`` and ``message`` (Retry-After ``retry_after_s``, clamped): no
+        capacity can come for them (the pool's workers cannot start)."""
+        self.shedder.shed_all(code, message, retry_after_s)
+
     # ----------------------------------------------------------------------------------------------- estimates
 
     @property

@@ -77,11 +77,12 @@ class Shedder:
             for ticket in expired:
                 self.shed_timed_out(ticket)
 
-    def shed_all(self, code: ErrorCode, message: str) -> None:
-        """Shed every queued ticket of every tier (draining)."""
+    def shed_all(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+        """Shed every queued ticket of every tier (draining; a pool that can no longer serve), with
+        ``retry_after_s`` as :meth:`shed`."""
         for queue in self._queues.values():
             for ticket in list(queue.tickets.values()):
-                self.shed(ticket, code, message)
+                self.shed(ticket, code, message, retry_after_s)
 
     def count_rejected(self, tier: str, code: ErrorCode) -> None:
         """Count a request of ``tier`` turned away with ``code`` before it reached a queue (the fleet's cold-start

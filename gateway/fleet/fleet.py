@@ -239,6 +239,8 @@ class Fleet:
 
     def _on_local_exit(self) -> None:
         self.kick()
+        for runtime in self.runtimes.values():
+            self.scaling.shed_if_unservable(runtime)
         reason = self.startup_failure()
         if reason is not None and not self.unservable.is_set():
             self.unservable_reason = reason
@@ -246,13 +248,16 @@ class Fleet:
 
     def startup_failure(self) -> str | None:
         """Return why no pool can ever serve, when that is known at start: every pool's local workers stopped on a
-        configuration error before any local worker was ready, and no pool has a remote worker or upstream (nor a
-        registry that could bring one); else None. Later, a pool whose workers stop so keeps serving what it
-        can and reports why (``/readyz``, ``/status``)."""
+        configuration error before any local worker was ready, no pool has a remote worker or upstream (nor a
+        registry that could bring one), and no pool scales from zero; else None. A pool that scales from zero
+        (``min_workers = 0``) made the gateway ready at start (``/readyz``) and starts its first worker for a
+        request, so its failure comes while the gateway serves. Then, as for a pool whose workers stop so later,
+        the gateway serves on: it answers the pool's requests with a 503 naming the error and reports it
+        (``/readyz``, ``/status``)."""
         if self._any_local_ready or self.config.registry.redis_url:
             return None
         if any(runtime.config_error is None or runtime.remote or runtime.pool.clients
-               for runtime in self.runtimes.values()):
+               or runtime.config.min_workers == 0 for runtime in self.runtimes.values()):
             return None
         return "; ".join(f"pool {runtime.name}: {runtime.config_error}" for runtime in self.runtimes.values())
 

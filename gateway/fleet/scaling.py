@@ -106,6 +106,16 @@ class ScalingLoop:
         """Run the autoscaler now instead of at the next interval."""
         self.kick_event.set()
 
+    def shed_if_unservable(self, runtime: PoolRuntime) -> None:
+        """Turn the pool's queued requests away with 503 ``no_worker_available`` naming its configuration error when
+        none can be served any more: its local workers stopped on that error (not restarted) and it has no other
+        worker or upstream. They waited for a cold start (a pool scaled to zero) that will not come; without this
+        they would wait out their deadlines and be told the server is overloaded."""
+        if runtime.config_error is None or runtime.local or runtime.pool.clients:
+            return
+        runtime.admission.shed_queued(ErrorCode.NO_WORKER, _no_local_worker_message(runtime),
+                                      self._clamp_retry_after(1.0))
+
     def check_cold_start(self, runtime: PoolRuntime, tier: str) -> None:
         """Before queueing for a pool with no ready worker: start one now; reject when it comes too late.
 
@@ -131,10 +141,8 @@ class ScalingLoop:
                     ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available: "
                     f"{runtime.not_serving_reason()}.",
                     retry_after_s=self._clamp_retry_after(runtime.pool.no_worker_retry_after_s())))
-            why = f" Its local workers are not started: {runtime.config_error}" if runtime.config_error else ""
             raise self._rejected(runtime, tier, SluiceError(
-                ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.{why}",
-                retry_after_s=self._clamp_retry_after(1.0)))
+                ErrorCode.NO_WORKER, _no_local_worker_message(runtime), retry_after_s=self._clamp_retry_after(1.0)))
         if runtime.has_ready_worker():
             return  # its breaker is open: admission decides
         observation = self._observe(runtime, extra_queued=1)
@@ -279,3 +287,9 @@ class ScalingLoop:
             self.scale_events[(decision.pool, decision.action.value, decision.reason.value)] += 1
             log.info("scale_" + decision.action.value, pool=decision.pool, reason=decision.reason.value,
                      num_workers=decision.num_workers, worker_id=decision.worker_id or None, detail=decision.detail)
+
+
+def _no_local_worker_message(runtime: PoolRuntime) -> str:
+    """The 503 ``no_worker_available`` message of a pool with no worker and none it can start."""
+    why = f" Its local workers are not started: {runtime.config_error}" if runtime.config_error else ""
+    return f"No worker of pool '{runtime.name}' is available.{why}"

@@ -1,10 +1,15 @@
 """A local worker that stops on its configuration (exit status 2 before Hello) is not restarted: ``sluice serve``
 exits with the worker's reason when no pool can serve, and reports the broken pool (``/readyz``, ``/status``) while
-another serves. (It said "no worker configured" while the worker crash-looped, then restarted it forever.)"""
+another serves. (It said "no worker configured" while the worker crash-looped, then restarted it forever.) A pool
+scaled to zero whose first worker, started for a request, stops so does not end the gateway: the request gets a 503
+naming the error. (The gateway exited 2 with that request open: the client read an empty reply.)"""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 
 from tests.support.server import SluiceProcess, get_json
 
@@ -58,6 +63,41 @@ def test_readyz_and_status_name_a_broken_pool_while_another_serves():
         assert pools["broken"]["config_error"] == body["pool_config_errors"]["broken"]
         assert pools["default"]["config_error"] is None
         assert server.log_text().count("local_worker_config_error") == 1
+    finally:
+        server.stop()
+        server.close()
+
+
+def _chat(base_url: str, timeout_s: float = 120.0) -> tuple[int, dict, dict]:
+    body = json.dumps({"model": "only-model", "messages": [{"role": "user", "content": "Say hi"}],
+                       "max_tokens": 4}).encode()
+    request = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_a_pool_scaled_to_zero_whose_first_worker_fails_its_config_answers_503_and_the_gateway_serves_on():
+    config = SIM + "[autoscale]\ninterval_s = 0.25\n" + BROKEN_POOL.format(name="only").replace(
+        "min_workers = 1", "min_workers = 0")
+    server = SluiceProcess(config, ready="readyz", min_ready_workers=0).start()  # ready at once: it scales from 0
+    reason = "worker.block_size_tokens = 100000 exceeds model.max_model_len_tokens = 8192"
+    try:
+        # the first starts the pool's first worker, which exits 2: it waited for that cold start, and is told why
+        # it will not come (it waited out its queue deadline, then read "the server is overloaded"); the next at once
+        for _ in range(2):
+            status, headers, body = _chat(server.base_url)
+            assert (status, body["error"]["code"]) == (503, "no_worker_available"), body
+            assert reason in body["error"]["message"] and int(headers["Retry-After"]) >= 1, (body, headers)
+        assert server.process.poll() is None, server.log_text()
+        status, body = get_json(server.base_url + "/readyz")
+        assert status == 503 and reason in body["error"]["message"], body
+        assert server.status()["fleet"]["pools"]["only"]["config_error"].startswith(reason)
+        log = server.log_text()
+        assert "gateway_cannot_serve" not in log and log.count("local_worker_config_error") == 1, log
     finally:
         server.stop()
         server.close()

@@ -940,17 +940,20 @@ def validate_admission_config(config: Config) -> None:
         raise ConfigError("admission.aging_rate_per_s: must be ≥ 0")
     if config.admission.max_retry_after_s < 1 or config.admission.rate_window_s <= 0:
         raise ConfigError("admission: max_retry_after_s must be ≥ 1 and rate_window_s > 0")
-    levels = {"elevated": config.pressure.elevated, "critical": config.pressure.critical}
-    for level_name, level in levels.items():
+    default_pressure = PressureConfig()
+    levels = {"elevated": (config.pressure.elevated, default_pressure.elevated),
+              "critical": (config.pressure.critical, default_pressure.critical)}
+    for level_name, (level, default_level) in levels.items():
         if level.leave_queue_wait_s > level.enter_queue_wait_s:
             raise ConfigError(f"pressure.{level_name}.leave_queue_wait_s: must be ≤ enter_queue_wait_s")
         if level.leave_kv_used_fraction > level.enter_kv_used_fraction:
             raise ConfigError(f"pressure.{level_name}.leave_kv_used_fraction: must be ≤ enter_kv_used_fraction")
-        if config.pressure == PressureConfig():  # the defaults name the default tiers, which custom ones may drop
-            continue
-        _check_tier_names(f"pressure.{level_name}.max_tokens_by_tier", level.max_tokens_by_tier, names)
-        _check_tier_names(f"pressure.{level_name}.queue_timeout_s_by_tier", level.queue_timeout_s_by_tier, names)
-        _check_tier_names(f"pressure.{level_name}.shed_tiers", level.shed_tiers, names)
+        # a level's defaults (also filled into a table that sets other keys: with_pressure_level_defaults) name the
+        # default tiers, which custom ones may drop; only what the config sets is checked
+        for key in ("max_tokens_by_tier", "queue_timeout_s_by_tier", "shed_tiers"):
+            value = getattr(level, key)
+            if value != getattr(default_level, key):
+                _check_tier_names(f"pressure.{level_name}.{key}", value, names)
     _check_tier_names("kv.max_cache_ttl_s_by_tier", config.kv.max_cache_ttl_s_by_tier, names)
     if config.pressure.critical.enter_queue_wait_s < config.pressure.elevated.enter_queue_wait_s:
         raise ConfigError("pressure.critical.enter_queue_wait_s: must be ≥ pressure.elevated.enter_queue_wait_s")

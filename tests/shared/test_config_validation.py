@@ -336,6 +336,25 @@ def test_a_by_tier_map_may_name_custom_tiers(tmp_path):
     assert config.kv.max_cache_ttl_s_by_tier == {"gold": 5.0}
 
 
+@pytest.mark.parametrize("table", [
+    "[pressure.critical]\nshed_tiers = []\n",
+    "[pressure.elevated]\nqueue_timeout_s_by_tier = {}\n",
+    "[pressure.elevated]\nenter_queue_wait_s = 3.0\n",
+])
+def test_a_pressure_table_that_sets_one_key_passes_with_custom_tiers(tmp_path, table):
+    # the keys it leaves out take the level's defaults, which name the default tiers: they are not the config's
+    config = load_config(write(tmp_path, 'default_tier = "gold"\n\n[[tiers]]\nname = "gold"\n\n' + table), environ={})
+    validate_admission_config(config)
+
+
+def test_a_pressure_table_naming_a_tier_the_custom_tiers_lack_is_refused(tmp_path):
+    config = load_config(write(tmp_path, 'default_tier = "gold"\n\n[[tiers]]\nname = "gold"\n\n'
+                                         '[pressure.critical]\nshed_tiers = ["free"]\n'), environ={})
+    with pytest.raises(ConfigError) as info:
+        validate_admission_config(config)
+    assert str(info.value) == "pressure.critical.shed_tiers: unknown tiers ['free']; tiers are ['gold']"
+
+
 # ---------------------------------------------------------------------------- sluice serve: checks at start
 
 

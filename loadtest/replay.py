@@ -322,7 +322,8 @@ async def run_replay(requests: list[TraceRequest], opts: ReplayOptions, prompt_b
     """Replay ``requests`` (tiers assigned, arrivals scaled) against the gateway at ``opts.base_url``.
 
     Raises:
-        ReplayError: the base URL is not loopback or the gateway does not answer ``/v1/models``.
+        ReplayError: the base URL is not loopback, the gateway does not answer ``/v1/models``, or it refused a
+            tier's probe as bad input (:func:`_reach_tiers`).
     """
     import aiohttp
 
@@ -369,11 +370,27 @@ async def run_replay(requests: list[TraceRequest], opts: ReplayOptions, prompt_b
 
 async def _reach_tiers(session, opts: ReplayOptions, model: str, requests: list[TraceRequest]) -> list[str]:
     """Probe the tiers of ``requests``; give the requests of a tier the key cannot reach the tier the gateway
-    gives them instead (in place); return one line per such tier."""
+    gives them instead (in place); return one line per such tier, and per tier whose probe was turned away for now
+    (429, 503: its requests are replayed as they are).
+
+    Raises:
+        ReplayError: the gateway refused a tier's probe as bad input (a 4xx other than 429: a tier it does not have,
+            a key it does not know): every request of that tier would fail the same way.
+    """
     tiers = sorted({req.tier for req in requests if req.tier})
-    served = await probe_tiers(session, opts.base_url, model, {tier: opts.headers_for(tier) for tier in tiers})
-    moved = {tier: got for tier, got in served.items() if got is not None and got != tier}
+    probes = await probe_tiers(session, opts.base_url, model, {tier: opts.headers_for(tier) for tier in tiers})
     notes = []
+    for tier, probe in probes.items():
+        if 400 <= probe.status < 500 and probe.status != 429:
+            count = sum(req.tier == tier for req in requests)
+            raise ReplayError(f"the gateway refused the probe of tier '{tier}' ({probe.status}: {probe.error}), so "
+                              f"its {count} requests would all fail: replay the gateway's tiers (--tier-mix) or pass "
+                              f"--api-key {tier}=KEY with a key it knows")
+        if probe.status != 200:
+            notes.append(f"tier '{tier}': its probe was answered {probe.status} ({probe.error}); its requests are "
+                         f"replayed as sent")
+    moved = {tier: probe.served_tier for tier, probe in probes.items()
+             if probe.served_tier is not None and probe.served_tier != tier}
     for tier, got in moved.items():
         count = sum(req.tier == tier for req in requests)
         key = ("the key sent" if opts.api_key_by_tier.get(tier) or opts.api_key_by_tier.get("*")

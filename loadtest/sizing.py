@@ -125,13 +125,6 @@ async def fetch_status(session, base_url: str) -> dict[str, Any]:
         return await response.json()
 
 
-async def _complete(session, base_url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, str | None]:
-    """POST a non-streamed chat completion; return (status, the tier that served it)."""
-    async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers) as response:
-        await response.read()
-        return response.status, response.headers.get("x-sluice-tier")
-
-
 async def calibrate(session, base_url: str, model: str, texts: list[str], headers: dict[str, str],
                     ignore_eos: bool = True) -> list[tuple[int, str]]:
     """Send ``texts`` at once as chat completions of :data:`CALIBRATION_OUTPUT_TOKENS` tokens (with ``ignore_eos``
@@ -200,14 +193,27 @@ async def measure_capacity(session, base_url: str, model: str, calibration_texts
     return capacity, True
 
 
+@dataclass(frozen=True)
+class TierProbe:
+    """The answer to one tier's probe: its HTTP status, the tier that served it (``x-sluice-tier``; None when not
+    answered with 200) and, for another status, the error's message."""
+
+    status: int
+    served_tier: str | None
+    error: str = ""
+
+
 async def probe_tiers(session, base_url: str, model: str, headers_by_tier: dict[str, dict[str, str]]
-                      ) -> dict[str, str | None]:
-    """Send one 1-token request per tier with that tier's headers; return tier → the tier that served it (None
-    when the probe was not answered with 200)."""
-    served: dict[str, str | None] = {}
+                      ) -> dict[str, TierProbe]:
+    """Send one 1-token request per tier with that tier's headers; return tier → its :class:`TierProbe`."""
+    probes: dict[str, TierProbe] = {}
     for tier, headers in headers_by_tier.items():
         body = {"model": model, "messages": [{"role": "user", "content": PROBE_TEXT}], "max_tokens": 1,
                 "temperature": 0}
-        status, served_tier = await _complete(session, base_url, body, headers)
-        served[tier] = served_tier if status == 200 else None
-    return served
+        async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers) as response:
+            raw = await response.read()
+            if response.status == 200:
+                probes[tier] = TierProbe(200, response.headers.get("x-sluice-tier"))
+            else:
+                probes[tier] = TierProbe(response.status, None, _error_text(raw))
+    return probes

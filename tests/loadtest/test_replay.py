@@ -135,3 +135,21 @@ def test_replay_sized_to_capacity_on_the_default_config_replays_vip_as_standard_
     assert set(report["summary"]["tiers"]) == {"standard", "free"}
     assert all(r["served_tier"] == r["tier"] for r in report["requests"] if r["outcome"] == "ok")
     assert report["options"]["rate_scale"] > 0 and report["options"]["capacity_scale"] == 0.5
+
+
+def test_replay_of_a_tier_the_gateway_does_not_have_stops_before_sending_the_trace(tmp_path):
+    """A gateway with one tier answers a request in another with a 400: the replay says so in one line and exits 2
+    instead of replaying requests that can only fail (it replayed them all as http_400 rows, without a word)."""
+    from tests.conftest import sluice_serve
+
+    config = 'default_tier = "standard"\n\n[[tiers]]\nname = "standard"\n' + STANDARD_DEFAULT_CONFIG
+    out = tmp_path / "replay.json"
+    with sluice_serve(tmp_path, config, 120.0) as server:
+        cmd = [sys.executable, "-m", "sluice.cli", "replay", "azure-conv", "--base-url", server.base_url,
+               "--rate-scale", "1", "--max-requests", "6", "--drain-timeout-s", "30", "--json", str(out)]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+        status = server.status()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "sluice replay: the gateway refused the probe of tier 'free' (400: " in proc.stderr, proc.stderr
+    assert "--tier-mix" in proc.stderr and not out.exists()
+    assert status["admission"]["tiers"]["standard"]["admitted"] == 1, status["admission"]["tiers"]  # its probe

@@ -14,6 +14,15 @@ import collections
 import statistics
 
 from shared.protocol import KV_STAT_COUNTERS
+from worker.kv_cache.eviction.retention import PRESSURE_LEVELS
+
+# Totals in every snapshot from the start, at 0 until counted (a Prometheus series that first appears at its first
+# count hides that increase from rate() and leaves a dashboard's panel empty): those without labels, and those whose
+# labels are known before anything is counted. Counters labelled by policy or storage tier appear at their first
+# count; redis_errors_total only with a Redis tier.
+COUNTERS_FROM_START = ("prefix_query_tokens", "partial_block_hit_tokens", "expired_blocks", "reload_decisions_total",
+                       "recompute_decisions_total", "recompute_decision_tokens", "reload_verify_failures_total",
+                       "swapped_out_bytes", "swapped_in_bytes")
 
 RESERVOIR_SIZE = 1024
 STORAGE_TIERS = ("device", "host", "disk", "redis")
@@ -108,11 +117,14 @@ class KVStats:
     def snapshot(self) -> dict[str, float]:
         """Return every counter, gauge and summary as one flat dict (see the class docstring for the keys)."""
         out = {key: float(value) for key, value in self.counters.items()}
+        for name in COUNTERS_FROM_START:
+            out.setdefault(name, 0.0)
         for tier in STORAGE_TIERS:
             out.setdefault(labelled("prefix_hit_tokens", tier=tier), 0.0)
-        out.setdefault("prefix_query_tokens", 0.0)
         for mode in ("swap", "recompute"):
             out.setdefault(labelled("preemptions", mode=mode), 0.0)
+        for level in PRESSURE_LEVELS:
+            out.setdefault(labelled("pressure_switches_total", level=level), 0.0)
         out.update(self.gauges)
         out.update(self.block_lifetime_s.items("block_lifetime_s"))
         out.update(self.reuse_gap_s.items("reuse_gap_s"))

@@ -3,33 +3,36 @@
 1. ``llama-server`` (``--metrics``, ``--parallel`` slots, the default GGUF: SmolLM2-135M-Instruct Q4_1) on loopback.
 2. Its capacity for requests shaped like the trace window's, in requests/s: ``--capacity-requests`` of them
    (``ignore_eos``) with its slots kept full, straight at it.
-   A Sluice gateway whose only pool is that server (``backend = "openai"``, ``engine = "llama.cpp"``, no worker of
+   A Sluice gateway whose only pool is such a server (``backend = "openai"``, ``engine = "llama.cpp"``, no worker of
    its own) reads its load from llama.cpp's ``/metrics``.
 3. The Azure 2023 conversation trace (a window of ``--requests`` requests, prompts clipped to
-   ``--max-input-tokens``), rate-scaled to ``--multiple`` × that capacity, tiers vip/standard/free 20/60/20, replayed
-   open-loop (``loadtest.replay``) twice: (a) straight at ``llama-server`` (it ignores tiers: one FIFO), (b) through
-   Sluice (tier queues, deadlines at 0.8 × each tier's TTFT SLO, early rejection with ``Retry-After``, preemption
-   of lower tiers by higher ones: ``gateway.admission.preemption``). Prompts of the two runs differ (no
-   prefix-cache carry-over).
-
-Between the two, unless ``--no-vip-alone-replay``: (a') the window's vip requests alone, at their arrival times,
-straight at ``llama-server`` (``vip_alone_measured``): what vip gets with no other tier on the engine at all, the
-measured bound on any scheduler in front of it (the computed schedules below assume decodes at the unloaded speed
-beside prefills, which a real engine does not give).
+   ``--max-input-tokens``), rate-scaled so that the window kept (``--duration-s``) arrives at ``--multiple`` × that
+   capacity on average (:func:`window_rate_scale`), tiers vip/standard/free 20/60/20.
+   Unless ``--no-vip-alone-replay``, first (a') the window's vip requests alone, at their arrival times, straight
+   at ``llama-server`` (``vip_alone_measured``): what vip gets with no other tier on the engine at all, the measured
+   bound on any scheduler in front of it (the computed schedules below assume decodes at the unloaded speed beside
+   prefills, which a real engine does not give). Then the whole window, replayed open-loop (``loadtest.replay``)
+   twice: (a) straight at ``llama-server`` (it ignores tiers: one FIFO), (b) through Sluice in front of a new
+   ``llama-server`` (tier queues, deadlines at 0.8 × each tier's TTFT SLO, early rejection with ``Retry-After``,
+   preemption of lower tiers by higher ones: ``gateway.admission.preemption``). A new engine because llama.cpp goes
+   on with the requests whose clients gave up at the drain timeout, for minutes after a long window; both replays
+   start on an idle engine. Prompts of the replays differ (no prefix-cache carry-over).
 
 Reports per tier: TTFT SLO attainment, goodput (answers within their tier's SLO per second of offered window),
 rejections and whether each carried ``Retry-After``, and the requests Sluice preempted (from its ``/status``).
 The SLOs follow the engine: before the replays the bench measures the engine's own unloaded TTFT
 (``--probe-requests`` trace-shaped prompts, one at a time, straight at ``llama-server``); vip's SLO is
-:data:`VIP_SLO_FACTOR` × the slowest of those (at least 1 s), and at least the slowest vip TTFT of the engine
-prefilling the window's vip prompts alone, back to back (:func:`vip_alone_ttfts_s`); standard's and free's
-:data:`OTHER_SLO_FACTOR` × (at least 5 s). An SLO tighter than what the idle engine does measures the engine, not
-the gateway: on this 2-core CPU a 256-token prompt alone takes about 1 s to its first token, so a fixed 1 s vip SLO
-left nothing to schedule. Why 2×: a top-tier request that finds the engine's slots busy shares each step with their
-decodes, so its own prefill runs at about half the idle speed at best; 2× the idle TTFT is the least a scheduler
-that never queues the top tier can promise. Why the vip-alone floor: a burst of long vip prompts queues behind
-itself on any scheduler (in one run the vip-alone schedule itself missed the 2× SLO of 1.3 s for 2 of 24 prompts),
-so a tighter SLO measures the trace's bursts and the engine's speed. vip's attainment at the plain
+:data:`VIP_SLO_FACTOR` × the slowest of those (at least 1 s), and at least the slowest vip TTFT of vip alone on the
+engine, computed (the window's vip prompts prefilled back to back: :func:`vip_alone_ttfts_s`) and measured (a');
+standard's and free's :data:`OTHER_SLO_FACTOR` × (at least 5 s). An SLO tighter than what the idle engine does
+measures the engine, not the gateway: on this 2-core CPU a 256-token prompt alone takes about 1 s to its first
+token, so a fixed 1 s vip SLO left nothing to schedule. Why 2×: a top-tier request that finds the engine's slots
+busy shares each step with their decodes, so its own prefill runs at about half the idle speed at best; 2× the idle
+TTFT is the least a scheduler that never queues the top tier can promise. Why the vip-alone floor: a burst of long
+vip prompts queues behind itself on any scheduler, and the engine prefills the prompts it holds side by side (in
+earlier runs vip alone straight at the engine met the 2× SLO for 81-97% of its requests), so a tighter SLO measures
+the trace's bursts and the engine, not what the other tiers' load does to vip; with the floor, the claim is that
+vip under 2× overload through Sluice gets what it gets with the engine to itself. vip's attainment at the plain
 :data:`VIP_SLO_FACTOR` rule is reported beside it (``vip_attainment_at_factor_slo``). ``--slo-vip-s`` /
 ``--slo-other-s`` fix them instead. Writes ``bench/results/engine_overload.json`` and, under
 ``bench/results/engine_overload/``, each replay's latency over time (``direct_latency.png``, ``sluice_latency.png``)
@@ -79,16 +82,15 @@ RESULT_PATH = REPO / "bench" / "results" / "engine_overload.json"
 PLOT_DIR = REPO / "bench" / "results" / "engine_overload"
 
 
-def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], multiple: float) -> str:
+def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], vip_reserved: float) -> str:
     """Return the config of Sluice in front of ``llama_url``: default tier vip (the replay's header lowers it),
     each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO, vip's reserved share of the
-    slots and KV sized to its offered load (:func:`vip_reserved_fraction`)."""
+    slots and KV ``vip_reserved`` (:func:`vip_reserved_fraction` unless given)."""
     lines = ['default_tier = "vip"', "", "[worker]", "num_local_workers = 0", "",
              "[model]", "max_model_len_tokens = 2048", "",
              "[[pools]]", 'name = "llamacpp"', 'backend = "openai"', 'engine = "llama.cpp"',
              f'upstreams = ["{llama_url}"]', f'tokenizer = "{default_model_path()}"',
              f"max_concurrency = {parallel}", ""]
-    vip_reserved = vip_reserved_fraction(multiple)
     for tier in DEFAULT_TIERS:
         reserved = vip_reserved if tier.name == "vip" else tier.reserved_slot_fraction
         reserved_kv = vip_reserved if tier.name == "vip" else tier.reserved_kv_fraction
@@ -107,6 +109,32 @@ def vip_reserved_fraction(multiple: float) -> float:
     finds every slot taken preempts a lower tier's; the reservation keeps slots free for vip's bursts without a
     preemption (each one costs the engine the victim's recompute)."""
     return round(min(0.75, 1.25 * TIER_MIX["vip"] * multiple), 2)
+
+
+def window_rate_scale(unscaled, multiple: float, capacity_per_s: float, duration_s: float) -> float:
+    """Return the rate scale at which the requests of ``unscaled`` (arrivals unscaled, sorted) that arrive within
+    ``duration_s`` come at ``multiple`` × ``capacity_per_s`` on average. The trace's density varies along it, so
+    the scale for the whole of ``unscaled`` (:func:`loadtest.sizing.rate_scale_for`) can offer the kept window
+    well under or over that multiple (1.3× in one run that asked for 2×): the scale is found by bisection on the
+    kept window's own rate (requests − 1 over their span, as ``rate_scale_for`` counts it), between a quarter and
+    four times the whole trace's scale."""
+    target_per_s = multiple * capacity_per_s
+    t0_s = unscaled[0].arrival_s
+
+    def window_rate_per_s(scale: float) -> float:
+        window = [r for r in unscaled if (r.arrival_s - t0_s) / scale < duration_s]
+        span_s = (window[-1].arrival_s - t0_s) / scale
+        return (len(window) - 1) / span_s if len(window) >= 2 and span_s > 0 else 0.0
+
+    whole = rate_scale_for(multiple, capacity_per_s, unscaled)
+    low, high = whole / 4, whole * 4
+    for _ in range(40):
+        middle = (low + high) / 2
+        if window_rate_per_s(middle) < target_per_s:
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 async def engine_capacity_per_s(llama_url: str, requests, builder: PromptBuilder, max_input_tokens: int,
@@ -173,14 +201,15 @@ async def _chat_seconds(session: aiohttp.ClientSession, llama_url: str, body: di
     return time.perf_counter() - started
 
 
-def slos_for(ttfts_s: list[float], vip_alone_worst_s: float, vip_s: float | None,
-             other_s: float | None) -> dict[str, float]:
+def slos_for(ttfts_s: list[float], vip_alone_worst_s: float, vip_alone_measured_worst_s: float,
+             vip_s: float | None, other_s: float | None) -> dict[str, float]:
     """Each tier's TTFT SLO, seconds: the given ones, else vip's :data:`VIP_SLO_FACTOR` × the slowest unloaded TTFT
-    ``ttfts_s`` and at least ``vip_alone_worst_s`` (the slowest TTFT of the vip-alone schedule), standard's and
-    free's :data:`OTHER_SLO_FACTOR` ×; each at least :data:`MIN_SLO_TTFT_S`, rounded up to 0.1 s."""
+    ``ttfts_s``, and at least ``vip_alone_worst_s`` (the slowest TTFT of the computed vip-alone schedule) and
+    ``vip_alone_measured_worst_s`` (the slowest vip TTFT measured with vip alone on the engine; 0 = not measured);
+    standard's and free's :data:`OTHER_SLO_FACTOR` ×; each at least :data:`MIN_SLO_TTFT_S`, rounded up to 0.1 s."""
     slowest_s = max(ttfts_s)
     vip = vip_s if vip_s is not None else max(MIN_SLO_TTFT_S["vip"], _ceil_tenth(VIP_SLO_FACTOR * slowest_s),
-                                              _ceil_tenth(vip_alone_worst_s))
+                                              _ceil_tenth(vip_alone_worst_s), _ceil_tenth(vip_alone_measured_worst_s))
     other = (other_s if other_s is not None
              else max(MIN_SLO_TTFT_S["standard"], _ceil_tenth(OTHER_SLO_FACTOR * slowest_s)))
     return {"vip": vip, "standard": other, "free": other}
@@ -210,7 +239,16 @@ def replay_summary(base_url: str, requests, builder: PromptBuilder, max_input_to
             plots.append(plot_queue_depth(run.status_samples, Path(plot_dir) / f"{name}_queue.png", title))
     at_factor = summarize(run.results, {**slo_ttft_s, "vip": factor_vip_slo_s})["tiers"].get("vip", {})
     return {"wall_s": round(run.wall_s, 2), "summary": summary, "plots": [str(p) for p in plots],
-            "vip_attainment_at_factor_slo": at_factor.get("slo_attainment")}
+            "vip_attainment_at_factor_slo": at_factor.get("slo_attainment"),
+            "vip_ttfts_s": [r.ttft_s if r.outcome == "ok" else None for r in run.results if r.tier == "vip"]}
+
+
+def attainment_of(replay: dict, slo_s: float) -> dict:
+    """Return the vip TTFT SLO attainment of a :func:`replay_summary` at ``slo_s`` (a vip request not answered
+    counts as a miss): ``slo_attainment``, ``met``, ``count``."""
+    ttfts_s = replay["vip_ttfts_s"]
+    met = sum(t is not None and t <= slo_s for t in ttfts_s)
+    return {"slo_attainment": met / len(ttfts_s) if ttfts_s else None, "met": met, "count": len(ttfts_s)}
 
 
 def seconds_per_prompt_token(probe_inputs: list[int], probe_ttfts_s: list[float]) -> float:
@@ -292,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-args", default="",
                         help="more llama-server arguments for both replays, e.g. '-b 128 -ub 128'")
-    parser.add_argument("--capacity-requests", type=int, default=16, help="requests of the capacity measurement")
+    parser.add_argument("--capacity-requests", type=int, default=32, help="requests of the capacity measurement")
     parser.add_argument("--probe-requests", type=int, default=6,
                         help="prompts sent one at a time to measure the engine's unloaded TTFT (sets the SLOs)")
     parser.add_argument("--slo-vip-s", type=float, default=None, help="vip's TTFT SLO (default: from the probe)")
@@ -306,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-rps", type=float, default=None,
                         help="take the engine's capacity as given (requests/s) instead of measuring it: two runs "
                         "then replay the same window at the same rates")
+    parser.add_argument("--vip-reserved-fraction", type=float, default=None,
+                        help="vip's reserved share of the engine's slots and KV in Sluice's config (default: "
+                        "its offered share with a quarter more, vip_reserved_fraction())")
     parser.add_argument("--no-vip-alone-replay", dest="measure_vip_alone", action="store_false",
                         help="skip replaying the vip requests alone straight at llama-server (the measured bound)")
     parser.add_argument("--output", default=str(RESULT_PATH))
@@ -317,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     unscaled = clip_outputs(prepare_requests("azure-conv", 1.0, args.requests, None, TIER_MIX, seed=0,
                                              start_s=args.start_s), args.max_output_tokens)
     started = time.perf_counter()
+    engine_args = ["--metrics", *args.engine_args.split()]
     with llama_server(args.llama_server, default_model_path(), parallel=args.parallel, threads=args.threads,
-                      ctx_per_slot=2048, extra_args=["--metrics", *args.engine_args.split()]) as llama_url:
+                      ctx_per_slot=2048, extra_args=engine_args) as llama_url:
         ttfts_s = asyncio.run(unloaded_ttft_s(llama_url, unscaled, builder, args.max_input_tokens,
                                               args.probe_requests))
         if args.capacity_rps:
@@ -327,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             capacity = asyncio.run(engine_capacity_per_s(llama_url, unscaled, builder, args.max_input_tokens,
                                                          args.parallel, args.capacity_requests))
-        rate_scale = rate_scale_for(args.multiple, capacity["requests_per_s"], unscaled)
+        rate_scale = window_rate_scale(unscaled, args.multiple, capacity["requests_per_s"], args.duration_s)
         requests = clip_outputs(prepare_requests("azure-conv", rate_scale, args.requests, args.duration_s,
                                                  TIER_MIX, seed=0, start_s=args.start_s), args.max_output_tokens)
         print(f"capacity {capacity['requests_per_s']:.3f} requests/s ({capacity['num_requests']} requests "
@@ -336,41 +378,50 @@ def main(argv: list[str] | None = None) -> int:
         probe_inputs = [clipped_input_tokens(r, 2048, args.max_input_tokens) for r in unscaled[:args.probe_requests]]
         seconds_per_token = seconds_per_prompt_token(probe_inputs, ttfts_s)
         vip_alone_s = vip_alone_ttfts_s(requests, args.max_input_tokens, seconds_per_token)
-        slo_ttft_s = slos_for(ttfts_s, max(vip_alone_s, default=0.0), args.slo_vip_s, args.slo_other_s)
-        factor_vip_slo_s = slos_for(ttfts_s, 0.0, args.slo_vip_s, args.slo_other_s)["vip"]
-        print(f"engine's unloaded TTFT {min(ttfts_s):.2f}-{max(ttfts_s):.2f} s: TTFT SLOs {slo_ttft_s} "
-              f"(vip {factor_vip_slo_s} s by the factor alone)")
+        tpot_s = asyncio.run(unloaded_tpot_s(llama_url, builder))
+        vip_alone_measured = None
+        if args.measure_vip_alone:
+            print(f"(a') only the vip requests, straight at llama-server (the engine was idle after "
+                  f"{asyncio.run(wait_engine_idle(llama_url)):.1f} s)")
+            vip_only = replay_summary(llama_url, [r for r in requests if r.tier == "vip"], builder,
+                                      args.max_input_tokens, 3, args.drain_timeout_s,
+                                      slos_for(ttfts_s, max(vip_alone_s, default=0.0), 0.0, args.slo_vip_s,
+                                               args.slo_other_s), 0.0)
+            vip_alone_measured = {k: vip_only["summary"]["tiers"]["vip"][k] for k in ("count", "ok", "ttft_s")}
+        measured_worst_s = ((vip_alone_measured or {}).get("ttft_s") or {}).get("max") or 0.0
+        slo_ttft_s = slos_for(ttfts_s, max(vip_alone_s, default=0.0), measured_worst_s, args.slo_vip_s,
+                              args.slo_other_s)
+        factor_vip_slo_s = slos_for(ttfts_s, 0.0, 0.0, args.slo_vip_s, args.slo_other_s)["vip"]
+        print(f"engine's unloaded TTFT {min(ttfts_s):.2f}-{max(ttfts_s):.2f} s, slowest vip TTFT alone "
+              f"{measured_worst_s:.2f} s: TTFT SLOs {slo_ttft_s} (vip {factor_vip_slo_s} s by the factor alone)")
+        if vip_alone_measured is not None:
+            vip_alone_measured.update(attainment_of(vip_only, slo_ttft_s["vip"]),
+                                      at_factor_slo=attainment_of(vip_only, factor_vip_slo_s)["slo_attainment"])
         bound = vip_alone_bound(vip_alone_s, seconds_per_token, slo_ttft_s["vip"], factor_vip_slo_s)
         print(f"vip attainment bound (the engine prefilling vip prompts alone, back to back): "
               f"{bound['met']}/{bound['count']}, slowest vip TTFT {bound['ttft_max_s']} s")
-        tpot_s = asyncio.run(unloaded_tpot_s(llama_url, builder))
         with_slots = {**attainment(vip_alone_ttfts_s(requests, args.max_input_tokens, seconds_per_token, tpot_s,
                                                      args.parallel), slo_ttft_s["vip"]),
                       "slots": args.parallel, "unloaded_tpot_s": round(tpot_s, 4)}
         print(f"vip alone on {args.parallel} slots (answers held at the unloaded {tpot_s * 1000:.0f} ms/token): "
               f"{with_slots['met']}/{with_slots['count']}, slowest vip TTFT {with_slots['ttft_max_s']} s")
-        gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, args.multiple),
+        print(f"(a) straight at llama-server (the engine was idle after "
+              f"{asyncio.run(wait_engine_idle(llama_url)):.1f} s)")
+        window = f"Azure conv, {len(requests)} requests at {args.multiple:g}x llama-server's capacity"
+        direct = replay_summary(llama_url, requests, builder, args.max_input_tokens, 1, args.drain_timeout_s,
+                                slo_ttft_s, factor_vip_slo_s, args.plot_dir, "direct", f"{window}, straight at it")
+    # A new engine for Sluice's replay: llama.cpp goes on with the direct replay's requests whose clients gave up at
+    # the drain timeout (minutes of them when the window is long), and both replays start on an idle engine.
+    with llama_server(args.llama_server, default_model_path(), parallel=args.parallel, threads=args.threads,
+                      ctx_per_slot=2048, extra_args=engine_args) as llama_url:
+        vip_reserved = (args.vip_reserved_fraction if args.vip_reserved_fraction is not None
+                        else vip_reserved_fraction(args.multiple))
+        gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, vip_reserved),
                                 workdir=Path(args.gateway_dir) if args.gateway_dir else None,
                                 min_ready_workers=1).start()
         try:
-            print(f"(a) straight at llama-server (the engine was idle after "
-                  f"{asyncio.run(wait_engine_idle(llama_url)):.1f} s)")
-            window = f"Azure conv, {len(requests)} requests at {args.multiple:g}x llama-server's capacity"
-            direct = replay_summary(llama_url, requests, builder, args.max_input_tokens, 1, args.drain_timeout_s,
-                                    slo_ttft_s, factor_vip_slo_s, args.plot_dir, "direct",
-                                    f"{window}, straight at it")
-            vip_alone_measured = None
-            if args.measure_vip_alone:
-                print(f"(a') only the vip requests, straight at llama-server (the engine was idle after "
-                      f"{asyncio.run(wait_engine_idle(llama_url)):.1f} s)")
-                vip_only = replay_summary(llama_url, [r for r in requests if r.tier == "vip"], builder,
-                                          args.max_input_tokens, 3, args.drain_timeout_s, slo_ttft_s,
-                                          factor_vip_slo_s)
-                vip_alone_measured = {**{k: vip_only["summary"]["tiers"]["vip"][k]
-                                         for k in ("count", "slo_met", "slo_attainment", "ttft_s")},
-                                      "at_factor_slo": vip_only["vip_attainment_at_factor_slo"]}
             idle_wait_s = asyncio.run(wait_engine_idle(llama_url))
-            print(f"(b) through Sluice (the engine was idle after {idle_wait_s:.1f} s)")
+            print(f"(b) through Sluice, in front of a new llama-server (idle after {idle_wait_s:.1f} s)")
             sluice = replay_summary(gateway.base_url, requests, builder, args.max_input_tokens, 2,
                                     args.drain_timeout_s, slo_ttft_s, factor_vip_slo_s, args.plot_dir, "sluice",
                                     f"{window}, through Sluice")
@@ -387,9 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "engine_overload", "engine": "llama.cpp llama-server", "model": Path(default_model_path()).name,
         "engine_args": " ".join(LLAMA_SERVER_ARGS),
         "options": vars(args), "capacity": capacity, "rate_scale": rate_scale, "num_requests": len(requests),
+        "offered_multiple_of_capacity": round(direct["summary"]["offered_rate_per_s"] / capacity["requests_per_s"], 3),
         "unloaded_ttft_s": [round(t, 3) for t in ttfts_s], "slo_ttft_s": slo_ttft_s,
+        "vip_reserved_fraction": vip_reserved,
         "slo_rule": f"vip {VIP_SLO_FACTOR:g}x the slowest unloaded TTFT and at least the slowest TTFT of the "
-                    f"vip-alone schedule, standard and free {OTHER_SLO_FACTOR:g}x the slowest unloaded TTFT (at least "
+                    f"vip-alone schedule and of vip alone measured on the engine, standard and free "
+                    f"{OTHER_SLO_FACTOR:g}x the slowest unloaded TTFT (at least "
                     f"{MIN_SLO_TTFT_S['vip']:g} / {MIN_SLO_TTFT_S['standard']:g} s, rounded up to 0.1 s) unless given",
         "vip_slo_by_factor_alone_s": factor_vip_slo_s,
         "direct": direct, "sluice": sluice, "engine_idle_wait_before_sluice_s": round(idle_wait_s, 1),

@@ -7,14 +7,10 @@ to exercise on command.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 
 from tests.gateway.fake_worker import FakeWorker, FakeWorkers
-from tests.support.server import SluiceProcess
+from tests.support.server import SluiceProcess, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +29,14 @@ failure_threshold = 10   # the silent worker stays routable for every request of
 """
 
 
-def _post(base_url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_first_token_timeout_bounds_the_whole_choice_not_each_attempt_on_the_same_worker(tmp_path):
     silent = FakeWorker("silent", 10_000)
     with FakeWorkers([silent]):
         with SluiceProcess(SILENT_WORKER_CONFIG, tmp_path, args=["--worker-address", f"127.0.0.1:{silent.port}"],
                            start_timeout_s=300) as gateway:
             for stream in (False, True):
-                status, body = _post(gateway.base_url, {"model": MODEL, "prompt": "hi", "max_tokens": 4,
-                                                        "stream": stream})
+                status, body, _ = post_json(gateway.base_url + "/v1/completions",
+                                            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream})
                 assert status == 504 and body["error"]["code"] == "worker_timeout", body
                 assert f"within {FIRST_TOKEN_TIMEOUT_S:g} s" in body["error"]["message"]
     # one Generate per request, each aborted at the deadline: the timeout spent the whole first-token budget, so

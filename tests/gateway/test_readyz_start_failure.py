@@ -6,12 +6,9 @@ naming the error. (The gateway exited 2 with that request open: the client read 
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 
-from tests.support.server import SluiceProcess, get_json
+from tests.support.server import SluiceProcess, get_json, post_json
 
 # The pool's worker gets an override its own config load refuses (a block longer than the context): it exits with
 # status 2 before it says Hello.
@@ -68,16 +65,9 @@ def test_readyz_and_status_name_a_broken_pool_while_another_serves():
         server.close()
 
 
-def _chat(base_url: str, timeout_s: float = 120.0) -> tuple[int, dict, dict]:
-    body = json.dumps({"model": "only-model", "messages": [{"role": "user", "content": "Say hi"}],
-                       "max_tokens": 4}).encode()
-    request = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.loads(exc.read())
+def _chat(base_url: str) -> tuple[int, dict, dict[str, str]]:
+    return post_json(base_url + "/v1/chat/completions", {
+        "model": "only-model", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
 
 
 def test_a_pool_scaled_to_zero_whose_first_worker_fails_its_config_answers_503_and_the_gateway_serves_on():
@@ -89,7 +79,7 @@ def test_a_pool_scaled_to_zero_whose_first_worker_fails_its_config_answers_503_a
         # the first starts the pool's first worker, which exits 2: it waited for that cold start, and is told why
         # it will not come (it waited out its queue deadline, then read "the server is overloaded"); the next at once
         for _ in range(2):
-            status, headers, body = _chat(server.base_url)
+            status, body, headers = _chat(server.base_url)
             assert (status, body["error"]["code"]) == (503, "no_worker_available"), body
             assert reason in body["error"]["message"] and int(headers["Retry-After"]) >= 1, (body, headers)
         assert server.process.poll() is None, server.log_text()

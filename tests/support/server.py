@@ -49,6 +49,17 @@ def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, Any]:
             return exc.code, None
 
 
+def post_json(url: str, body: dict, timeout_s: float = 120.0) -> tuple[int, Any, dict[str, str]]:
+    """POST ``body`` as JSON to ``url``; return (status, decoded JSON body, response headers), an error status
+    included (its body is an OpenAI error object)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Return this process's environment without ``SLUICE_*`` variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}

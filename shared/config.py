@@ -312,6 +312,12 @@ class TierConfig(_Section):
         reserved_slot_fraction: fraction (0–1) of the pool's sequence slots (``max_num_seqs`` summed over its
             workers, rounded to the nearest whole slot) kept for this tier the same way: where slots bind before KV
             does, a request of this tier starts at once instead of waiting for a lower tier's answer to end (BC28).
+        reserved_slot_window_s: seconds of this tier's arrivals its reserved slots follow: the reserve is at least
+            the number of its requests that arrived within the last that many seconds (at most every slot), when
+            that is more than ``reserved_slot_fraction`` keeps. By Little's law a tier holds about its arrival rate
+            × its time in a slot, so with the window about twice that time a burst of this tier finds slots that
+            lower tiers have not just taken, and on an engine that prefills what it holds side by side
+            (``backend = "openai"``) no lower-tier prompt is started beside the burst's. 0 = the fixed share only.
         rpm_limit: requests per minute per API key in this tier; 0 = unlimited (an API key may override it).
         tpm_limit: tokens (prompt + capped output) per minute per API key; 0 = unlimited.
         degrade_pool: a lighter pool (``[[pools]]`` name) this tier's requests go to instead of waiting or being shed
@@ -331,6 +337,7 @@ class TierConfig(_Section):
     max_tokens: PositiveInt = 2048
     reserved_kv_fraction: Fraction = 0.0
     reserved_slot_fraction: Fraction = 0.0
+    reserved_slot_window_s: NonNegativeFloat = 0.0
     rpm_limit: NonNegativeInt = 0
     tpm_limit: NonNegativeInt = 0
     degrade_pool: str = ""
@@ -925,6 +932,9 @@ def validate_admission_config(config: Config) -> None:
         if not 0.0 <= tier.reserved_slot_fraction <= 1.0:
             raise ConfigError(
                 f"tiers[{i}].reserved_slot_fraction: must be in [0, 1], got {tier.reserved_slot_fraction}")
+        if tier.reserved_slot_window_s < 0:
+            raise ConfigError(
+                f"tiers[{i}].reserved_slot_window_s: must be ≥ 0 (0 = off), got {tier.reserved_slot_window_s}")
         if tier.rpm_limit < 0 or tier.tpm_limit < 0:
             raise ConfigError(f"tiers[{i}]: rpm_limit and tpm_limit must be ≥ 0 (0 = unlimited)")
     if sum(tier.reserved_kv_fraction for tier in tiers) >= 1.0:

@@ -17,7 +17,9 @@ so freed capacity goes to it first ("starts within one worker step of capacity f
 held back by a **reserved share** is stepped over: tier T's ``reserved_kv_fraction`` of the pool's KV blocks and
 its ``reserved_slot_fraction`` of the pool's sequence slots are kept for it, and lower-priority tiers may not take
 the part of them that T is not using — so a top-tier request finds a slot at once even while lower tiers' long
-answers would fill every one.
+answers would fill every one. With ``reserved_slot_window_s``, T's reserved slots are at least its arrivals of
+that window: during T's burst lower tiers start nothing new (on an engine that prefills side by side, a lower
+tier's prompt started beside T's requests slows each of them by a whole prefill).
 
 Shedding, every case an :class:`~shared.errors.SluiceError` with ``retry_after_s`` (integer ≥ 1):
 
@@ -436,6 +438,7 @@ class AdmissionController(Generic[ReservationT]):
 
     def _record_arrival(self, ticket: Ticket[ReservationT]) -> None:
         self.rates.record_arrival(ticket.expected_work_tokens)
+        self._queues[ticket.tier.name].record_arrival(ticket.arrival_s)
         if self.on_arrival is not None:
             self.on_arrival()
 

@@ -8,6 +8,7 @@ Before it waits, a request may preempt a running one of a lower tier on engines 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,8 @@ from gateway.admission.preemption import Preemption
 from gateway.admission.rates import ServiceRates
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
+
+RESERVE_WAKE_SLACK_S = 0.001  # past the moment an arrival leaves its window, so the pass finds it gone
 
 
 class Dispatcher:
@@ -49,6 +52,7 @@ class Dispatcher:
         self._preemption = preemption
         self._dispatching = False
         self._dispatch_requested = False
+        self._wake: asyncio.TimerHandle | None = None  # the pass when a reserve following arrivals may shrink
 
     def dispatch(self) -> None:
         """Admit queued tickets, best first, while the capacity view finds room (re-entrancy safe). With nothing
@@ -83,6 +87,8 @@ class Dispatcher:
             if not candidates:
                 # requests held back only by reserved shares wait for lack of room too (for lower tiers)
                 self._rates.backlogged = bool(held_back_tiers)
+                if held_back_tiers:
+                    self._wake_when_reserves_drop(now_s)
                 return
             best = max(candidates, key=lambda t: (self._order.score(t, now_s), -t.ticket_id))
             if not self._fits_reserved_shares(best):
@@ -100,6 +106,21 @@ class Dispatcher:
                 return  # strict order: nobody jumps ahead of the request that should go next
             self._rates.record_dispatch(now_s, best.expected_work_tokens, count_service)
             self._grant(best, reservation, now_s)
+
+    def _wake_when_reserves_drop(self, now_s: float) -> None:
+        """Run a dispatch pass when the next reserve that follows a tier's arrivals may shrink
+        (``tiers.reserved_slot_window_s``): the requests it holds back then start without waiting for another
+        arrival or release. One timer at a time; none outside an event loop."""
+        delay_s = self._waits.next_reserve_drop_s(now_s)
+        if delay_s is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = loop.call_later(delay_s + RESERVE_WAKE_SLACK_S, self.dispatch)
 
     def _grant(self, ticket: Ticket[Any], reservation: Any, now_s: float) -> None:
         queue = self._queues[ticket.tier.name]

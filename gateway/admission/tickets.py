@@ -109,9 +109,29 @@ class TierQueue:
         self.num_deferred: Counter[str] = Counter()  # shed, then served as an async job instead (by shed code)
         self.num_cancelled = 0
         self.dispatch_times_s: deque[float] = deque()
+        # arrival times within ``reserved_slot_window_s`` (logged only when the tier sets one)
+        self.arrival_times_s: deque[float] = deque()
 
     def head(self) -> Ticket | None:
         return next(iter(self.tickets.values()), None)
+
+    def record_arrival(self, now_s: float) -> None:
+        """Log an arrival at ``now_s`` when the tier's reserved slots follow its arrivals
+        (``reserved_slot_window_s`` > 0); older entries than the window are dropped."""
+        if self.config.reserved_slot_window_s > 0:
+            self.arrival_times_s.append(now_s)
+            self.recent_arrivals(now_s)
+
+    def arrival_window_end_s(self) -> float | None:
+        """Return when the oldest arrival in the window leaves it (clock seconds), or None when none is in it."""
+        return self.arrival_times_s[0] + self.config.reserved_slot_window_s if self.arrival_times_s else None
+
+    def recent_arrivals(self, now_s: float) -> int:
+        """Return this tier's arrivals within the last ``reserved_slot_window_s`` seconds before ``now_s``."""
+        times = self.arrival_times_s
+        while times and times[0] <= now_s - self.config.reserved_slot_window_s:
+            times.popleft()
+        return len(times)
 
     def push(self, ticket: Ticket) -> None:
         self.tickets[ticket.ticket_id] = ticket

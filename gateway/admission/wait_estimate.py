@@ -162,16 +162,35 @@ class WaitEstimator:
         return total_slots - len(self._in_flight) - unused_reserved, unused_reserved
 
     def usable_slots(self, priority: int, total_slots: int) -> int:
-        """Return the most of ``total_slots`` sequence slots requests of tier priority ``priority`` can hold at
-        once: all but those the tiers above it reserve (:meth:`_reserved_slots_above`)."""
-        return total_slots - sum(reserved for _, reserved in self._reserved_slots_above(priority, total_slots))
+        """Return the most of ``total_slots`` sequence slots requests of tier priority ``priority`` can ever hold
+        at once: all but the fixed shares the tiers above it reserve (:meth:`_reserved_slots_above`; a reserve that
+        follows a tier's arrivals is gone once its burst is)."""
+        return total_slots - sum(reserved for _, reserved
+                                 in self._reserved_slots_above(priority, total_slots, follow_arrivals=False))
 
-    def _reserved_slots_above(self, priority: int, total_slots: int) -> list[tuple[TierQueue, int]]:
-        """Return each tier above ``priority`` that reserves slots, with its share of ``total_slots``
-        (``reserved_slot_fraction`` × total, rounded half up)."""
-        return [(queue, math.floor(queue.config.reserved_slot_fraction * total_slots + 0.5))
-                for queue in self._queues.values()
-                if queue.config.priority > priority and queue.config.reserved_slot_fraction > 0]
+    def _reserved_slots_above(self, priority: int, total_slots: int,
+                              follow_arrivals: bool = True) -> list[tuple[TierQueue, int]]:
+        """Return each tier above ``priority`` that reserves slots, with its reserve of ``total_slots``: its
+        ``reserved_slot_fraction`` × total, rounded half up, or, with ``follow_arrivals`` when more and at most the
+        total, its arrivals within its ``reserved_slot_window_s``."""
+        reserved = []
+        now_s: float | None = None
+        for queue in self._queues.values():
+            tier = queue.config
+            if tier.priority <= priority or (tier.reserved_slot_fraction <= 0 and tier.reserved_slot_window_s <= 0):
+                continue
+            slots = math.floor(tier.reserved_slot_fraction * total_slots + 0.5)
+            if follow_arrivals and tier.reserved_slot_window_s > 0:
+                now_s = self._clock() if now_s is None else now_s
+                slots = max(slots, min(total_slots, queue.recent_arrivals(now_s)))
+            reserved.append((queue, slots))
+        return reserved
+
+    def next_reserve_drop_s(self, now_s: float) -> float | None:
+        """Return the seconds from ``now_s`` until a reserve that follows a tier's arrivals may shrink (its oldest
+        arrival leaves the window), or None when no tier's reserve follows arrivals in a window now."""
+        ends_s = [end_s for queue in self._queues.values() if (end_s := queue.arrival_window_end_s()) is not None]
+        return max(0.0, min(ends_s) - now_s) if ends_s else None
 
     def work_ahead_tokens(self, priority: int) -> float:
         """Return the expected work tokens queued in tiers of at least ``priority``."""

@@ -22,6 +22,7 @@ from shared.config import (
     PressureConfig,
     PressureLevelConfig,
     TierConfig,
+    validate_admission_config,
 )
 from shared.errors import ErrorCode, SluiceError
 
@@ -1086,6 +1087,56 @@ async def test_reserved_slot_shares_round_to_the_nearest_slot_and_need_a_view_th
     for _ in range(4):
         await controller.admit(controller.make_ticket("free", prompt(10), 100))
     assert pool.running == [4]
+
+
+async def test_a_reserve_that_follows_a_tiers_arrivals_holds_lower_tiers_back_through_its_burst():
+    # 4 slots; vip keeps no fixed share, but as many slots as it had arrivals in the last 10 s
+    pool = SlotPool(max_num_seqs=4)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(reserved_slot_window_s=10.0))))
+    burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(3)]
+    for ticket in burst:
+        await controller.admit(ticket)
+    for ticket in burst:
+        controller.release(ticket, completion_tokens=100)  # the burst's answers end: every slot idle
+    clock.advance(1.0)
+    free = [controller.make_ticket("free", prompt(10), 100) for _ in range(2)]
+    await controller.admit(free[0])  # 4 idle slots, 3 of them vip's while its 3 arrivals are in the window
+    second = queued_task(controller, free[1])
+    await settle()
+    assert not second.done() and pool.running == [1]
+    vip = controller.make_ticket("vip", prompt(10), 100)
+    await controller.admit(vip)  # vip itself starts at once in its reserve
+    assert vip.queue_wait_s == 0.0
+    # the reserve never counts against what a request may ask for: n is judged by the fixed shares
+    assert controller.usable_sequence_slots("free", 4) == 4
+    clock.advance(9.5)  # the burst's 3 arrivals left the window; the last vip's is in it and it is running
+    controller.on_capacity_changed()
+    await settle()
+    assert second.done() and pool.running == [3]
+    assert pool.tiers_reserved == ["vip", "vip", "vip", "free", "vip", "free"]
+
+
+async def test_requests_held_back_by_a_reserve_following_arrivals_start_when_the_window_passes_unprompted():
+    # the real clock and a short window: no arrival, release or capacity report comes after the hold
+    pool = SlotPool(max_num_seqs=2)
+    config = make_config(tiers(vip=dict(reserved_slot_window_s=0.3)))
+    controller = AdmissionController(config, pool, clock=time.monotonic)
+    vip = controller.make_ticket("vip", prompt(10), 100)
+    await controller.admit(vip)
+    controller.release(vip, completion_tokens=100)
+    free = [controller.make_ticket("free", prompt(10), 100) for _ in range(2)]
+    await controller.admit(free[0])
+    second = queued_task(controller, free[1])
+    await settle()
+    assert not second.done()  # vip's one arrival keeps the other slot
+    await asyncio.wait_for(second, timeout=10.0)  # the dispatcher's own pass when the arrival leaves the window
+    assert pool.running == [2]
+
+
+def test_reserved_slot_window_must_not_be_negative():
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.reserved_slot_window_s"):
+        validate_admission_config(make_config(tiers(vip=dict(reserved_slot_window_s=-1.0))))
 
 
 class SlotRatesAndCountPool(SlotRatesPool):

@@ -14,7 +14,9 @@
    prefills, which a real engine does not give). Then the whole window, replayed open-loop (``loadtest.replay``)
    twice: (a) straight at ``llama-server`` (it ignores tiers: one FIFO), (b) through Sluice in front of a new
    ``llama-server`` (tier queues, deadlines at 0.8 × each tier's TTFT SLO, early rejection with ``Retry-After``,
-   preemption of lower tiers by higher ones: ``gateway.admission.preemption``). A new engine because llama.cpp goes
+   preemption of lower tiers by higher ones: ``gateway.admission.preemption``; vip's reserved slots at least its
+   arrivals of the last :data:`VIP_RESERVED_WINDOW_S` seconds, ``--vip-reserved-window-s``, so that during a vip
+   burst no lower-tier prompt is prefilled beside vip's). A new engine because llama.cpp goes
    on with the requests whose clients gave up at the drain timeout, for minutes after a long window; both replays
    start on an idle engine. Prompts of the replays differ (no prefix-cache carry-over).
 
@@ -77,15 +79,20 @@ TIER_MIX = {"vip": 0.2, "standard": 0.6, "free": 0.2}
 VIP_SLO_FACTOR = 2.0  # vip's TTFT SLO ÷ the engine's slowest unloaded TTFT (module docstring)
 OTHER_SLO_FACTOR = 5.0  # standard's and free's
 MIN_SLO_TTFT_S = {"vip": 1.0, "standard": 5.0, "free": 5.0}
+# vip's reserved slots follow its arrivals of this many seconds (``tiers.reserved_slot_window_s``): about twice
+# vip's time in a slot under overload (its end-to-end 4-6 s through Sluice in this bench's runs of 2026-12-05)
+VIP_RESERVED_WINDOW_S = 8.0
 DEADLINE_FRACTION_OF_SLO = 0.8  # each tier's queue deadline as a share of its TTFT SLO (as bench/replay_bench.py)
 RESULT_PATH = REPO / "bench" / "results" / "engine_overload.json"
 PLOT_DIR = REPO / "bench" / "results" / "engine_overload"
 
 
-def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], vip_reserved: float) -> str:
+def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], vip_reserved: float,
+                   vip_reserved_window_s: float = 0.0) -> str:
     """Return the config of Sluice in front of ``llama_url``: default tier vip (the replay's header lowers it),
     each tier's queue deadline :data:`DEADLINE_FRACTION_OF_SLO` of its TTFT SLO, vip's reserved share of the
-    slots and KV ``vip_reserved`` (:func:`vip_reserved_fraction` unless given)."""
+    slots and KV ``vip_reserved`` (:func:`vip_reserved_fraction` unless given), and vip's reserved slots at least
+    its arrivals of the last ``vip_reserved_window_s`` seconds (``tiers.reserved_slot_window_s``; 0 = off)."""
     lines = ['default_tier = "vip"', "", "[worker]", "num_local_workers = 0", "",
              "[model]", "max_model_len_tokens = 2048", "",
              "[[pools]]", 'name = "llamacpp"', 'backend = "openai"', 'engine = "llama.cpp"',
@@ -93,13 +100,14 @@ def gateway_config(llama_url: str, parallel: int, slo_ttft_s: dict[str, float], 
              f"max_concurrency = {parallel}", ""]
     for tier in DEFAULT_TIERS:
         reserved = vip_reserved if tier.name == "vip" else tier.reserved_slot_fraction
+        window_s = vip_reserved_window_s if tier.name == "vip" else tier.reserved_slot_window_s
         reserved_kv = vip_reserved if tier.name == "vip" else tier.reserved_kv_fraction
         queue_timeout_s = round(DEADLINE_FRACTION_OF_SLO * slo_ttft_s.get(tier.name, tier.queue_timeout_s), 3)
         lines += ["[[tiers]]", f'name = "{tier.name}"', f"priority = {tier.priority}",
                   f"queue_capacity = {tier.queue_capacity}", f"queue_timeout_s = {queue_timeout_s}",
                   f"default_max_tokens = {tier.default_max_tokens}", f"max_tokens = {tier.max_tokens}",
                   f"reserved_kv_fraction = {reserved_kv}",
-                  f"reserved_slot_fraction = {reserved}", ""]
+                  f"reserved_slot_fraction = {reserved}", f"reserved_slot_window_s = {window_s}", ""]
     return "\n".join(lines)
 
 
@@ -347,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vip-reserved-fraction", type=float, default=None,
                         help="vip's reserved share of the engine's slots and KV in Sluice's config (default: "
                         "its offered share with a quarter more, vip_reserved_fraction())")
+    parser.add_argument("--vip-reserved-window-s", type=float, default=VIP_RESERVED_WINDOW_S,
+                        help="vip's reserved slots are at least its arrivals of this many seconds "
+                        "(tiers.reserved_slot_window_s; 0 = its fixed share only)")
     parser.add_argument("--no-vip-alone-replay", dest="measure_vip_alone", action="store_false",
                         help="skip replaying the vip requests alone straight at llama-server (the measured bound)")
     parser.add_argument("--output", default=str(RESULT_PATH))
@@ -416,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                       ctx_per_slot=2048, extra_args=engine_args) as llama_url:
         vip_reserved = (args.vip_reserved_fraction if args.vip_reserved_fraction is not None
                         else vip_reserved_fraction(args.multiple))
-        gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, vip_reserved),
+        gateway = SluiceProcess(gateway_config(llama_url, args.parallel, slo_ttft_s, vip_reserved,
+                                               args.vip_reserved_window_s),
                                 workdir=Path(args.gateway_dir) if args.gateway_dir else None,
                                 min_ready_workers=1).start()
         try:
@@ -440,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "options": vars(args), "capacity": capacity, "rate_scale": rate_scale, "num_requests": len(requests),
         "offered_multiple_of_capacity": round(direct["summary"]["offered_rate_per_s"] / capacity["requests_per_s"], 3),
         "unloaded_ttft_s": [round(t, 3) for t in ttfts_s], "slo_ttft_s": slo_ttft_s,
-        "vip_reserved_fraction": vip_reserved,
+        "vip_reserved_fraction": vip_reserved, "vip_reserved_window_s": args.vip_reserved_window_s,
         "slo_rule": f"vip {VIP_SLO_FACTOR:g}x the slowest unloaded TTFT and at least the slowest TTFT of the "
                     f"vip-alone schedule and of vip alone measured on the engine, standard and free "
                     f"{OTHER_SLO_FACTOR:g}x the slowest unloaded TTFT (at least "

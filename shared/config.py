@@ -312,9 +312,10 @@ class TierConfig(_Section):
         reserved_slot_fraction: fraction (0–1) of the pool's sequence slots (``max_num_seqs`` summed over its
             workers, rounded to the nearest whole slot) kept for this tier the same way: where slots bind before KV
             does, a request of this tier starts at once instead of waiting for a lower tier's answer to end (BC28).
-        reserved_slot_window_s: seconds of this tier's arrivals its reserved slots follow: the reserve is at least
-            the number of its requests that arrived within the last that many seconds (at most every slot), when
-            that is more than ``reserved_slot_fraction`` keeps. By Little's law a tier holds about its arrival rate
+        reserved_slot_window_s: seconds of this tier's arrivals its reserved slots follow: while the tier has a
+            request queued or running, the reserve is at least the number of its requests that arrived within the
+            last that many seconds (at most every slot), when that is more than ``reserved_slot_fraction`` keeps;
+            once its requests have all ended, lower tiers may use the slots again at once. By Little's law a tier holds about its arrival rate
             × its time in a slot, so with the window about twice that time a burst of this tier finds slots that
             lower tiers have not just taken, and on an engine that prefills what it holds side by side
             (``backend = "openai"``) no lower-tier prompt is started beside the burst's. 0 = the fixed share only.

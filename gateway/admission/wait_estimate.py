@@ -172,7 +172,8 @@ class WaitEstimator:
                               follow_arrivals: bool = True) -> list[tuple[TierQueue, int]]:
         """Return each tier above ``priority`` that reserves slots, with its reserve of ``total_slots``: its
         ``reserved_slot_fraction`` × total, rounded half up, or, with ``follow_arrivals`` when more and at most the
-        total, its arrivals within its ``reserved_slot_window_s``."""
+        total, its arrivals within its ``reserved_slot_window_s`` while it has a request queued or running (once
+        its burst's answers have all ended, its fixed share)."""
         reserved = []
         now_s: float | None = None
         for queue in self._queues.values():
@@ -180,7 +181,7 @@ class WaitEstimator:
             if tier.priority <= priority or (tier.reserved_slot_fraction <= 0 and tier.reserved_slot_window_s <= 0):
                 continue
             slots = math.floor(tier.reserved_slot_fraction * total_slots + 0.5)
-            if follow_arrivals and tier.reserved_slot_window_s > 0:
+            if follow_arrivals and tier.reserved_slot_window_s > 0 and (queue.num_in_flight or queue.tickets):
                 now_s = self._clock() if now_s is None else now_s
                 slots = max(slots, min(total_slots, queue.recent_arrivals(now_s)))
             reserved.append((queue, slots))

@@ -1090,21 +1090,21 @@ async def test_reserved_slot_shares_round_to_the_nearest_slot_and_need_a_view_th
 
 
 async def test_a_reserve_that_follows_a_tiers_arrivals_holds_lower_tiers_back_through_its_burst():
-    # 4 slots; vip keeps no fixed share, but as many slots as it had arrivals in the last 10 s
+    # 4 slots; vip keeps no fixed share, but as many slots as it had arrivals in the last 10 s while it runs
     pool = SlotPool(max_num_seqs=4)
     clock = FakeClock()
     controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(reserved_slot_window_s=10.0))))
     burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(3)]
     for ticket in burst:
         await controller.admit(ticket)
-    for ticket in burst:
-        controller.release(ticket, completion_tokens=100)  # the burst's answers end: every slot idle
+    for ticket in burst[1:]:
+        controller.release(ticket, completion_tokens=100)  # one answer of the burst still runs
     clock.advance(1.0)
     free = [controller.make_ticket("free", prompt(10), 100) for _ in range(2)]
-    await controller.admit(free[0])  # 4 idle slots, 3 of them vip's while its 3 arrivals are in the window
+    await controller.admit(free[0])  # 3 idle slots, 2 of them vip's: 3 arrivals in the window, 1 running
     second = queued_task(controller, free[1])
     await settle()
-    assert not second.done() and pool.running == [1]
+    assert not second.done() and pool.running == [2]
     vip = controller.make_ticket("vip", prompt(10), 100)
     await controller.admit(vip)  # vip itself starts at once in its reserve
     assert vip.queue_wait_s == 0.0
@@ -1113,25 +1113,45 @@ async def test_a_reserve_that_follows_a_tiers_arrivals_holds_lower_tiers_back_th
     clock.advance(9.5)  # the burst's 3 arrivals left the window; the last vip's is in it and it is running
     controller.on_capacity_changed()
     await settle()
-    assert second.done() and pool.running == [3]
+    assert second.done() and pool.running == [4]
     assert pool.tiers_reserved == ["vip", "vip", "vip", "free", "vip", "free"]
+
+
+async def test_a_reserve_that_follows_arrivals_ends_with_the_tiers_last_answer():
+    # a short vip burst that has ended leaves no slot idle for the rest of its window
+    pool = SlotPool(max_num_seqs=2)
+    clock = FakeClock()
+    controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(reserved_slot_window_s=10.0))))
+    burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(2)]
+    for ticket in burst:
+        await controller.admit(ticket)
+    standard = queued_task(controller, controller.make_ticket("standard", prompt(10), 100))
+    await settle()
+    assert not standard.done()  # both slots run vip
+    controller.release(burst[0], completion_tokens=100)
+    await settle()
+    assert not standard.done()  # the freed slot is vip's while its burst runs: 2 arrivals in the window
+    controller.release(burst[1], completion_tokens=100)
+    await settle()
+    assert standard.done()  # vip has nothing queued or running: its arrivals no longer hold a slot
 
 
 async def test_requests_held_back_by_a_reserve_following_arrivals_start_when_the_window_passes_unprompted():
     # the real clock and a short window: no arrival, release or capacity report comes after the hold
-    pool = SlotPool(max_num_seqs=2)
+    pool = SlotPool(max_num_seqs=3)
     config = make_config(tiers(vip=dict(reserved_slot_window_s=0.3)))
     controller = AdmissionController(config, pool, clock=time.monotonic)
-    vip = controller.make_ticket("vip", prompt(10), 100)
-    await controller.admit(vip)
-    controller.release(vip, completion_tokens=100)
+    burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(2)]
+    for ticket in burst:
+        await controller.admit(ticket)
+    controller.release(burst[1], completion_tokens=100)  # one vip answer still runs
     free = [controller.make_ticket("free", prompt(10), 100) for _ in range(2)]
     await controller.admit(free[0])
     second = queued_task(controller, free[1])
     await settle()
-    assert not second.done()  # vip's one arrival keeps the other slot
-    await asyncio.wait_for(second, timeout=10.0)  # the dispatcher's own pass when the arrival leaves the window
-    assert pool.running == [2]
+    assert not second.done()  # vip's 2 arrivals keep the third slot
+    await asyncio.wait_for(second, timeout=10.0)  # the dispatcher's own pass when the arrivals leave the window
+    assert pool.running == [3]
 
 
 def test_reserved_slot_window_must_not_be_negative():

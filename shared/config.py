@@ -315,10 +315,11 @@ class TierConfig(_Section):
         reserved_slot_window_s: seconds of this tier's arrivals its reserved slots follow: while the tier has a
             request queued or running, the reserve is at least the number of its requests that arrived within the
             last that many seconds (at most every slot), when that is more than ``reserved_slot_fraction`` keeps;
-            once its requests have all ended, lower tiers may use the slots again at once. By Little's law a tier holds about its arrival rate
-            × its time in a slot, so with the window about twice that time a burst of this tier finds slots that
-            lower tiers have not just taken, and on an engine that prefills what it holds side by side
-            (``backend = "openai"``) no lower-tier prompt is started beside the burst's. 0 = the fixed share only.
+            once its requests have all ended, lower tiers may use the slots again at once. By Little's law a tier
+            holds about its arrival rate × its time in a slot, so with the window about twice that time a burst of
+            this tier finds slots that lower tiers have not just taken, and on an engine that prefills what it holds
+            side by side (``backend = "openai"``) no lower-tier prompt is started beside the burst's. 0 = the fixed
+            share only.
         rpm_limit: requests per minute per API key in this tier; 0 = unlimited (an API key may override it).
         tpm_limit: tokens (prompt + capped output) per minute per API key; 0 = unlimited.
         degrade_pool: a lighter pool (``[[pools]]`` name) this tier's requests go to instead of waiting or being shed

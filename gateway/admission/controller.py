@@ -18,8 +18,9 @@ held back by a **reserved share** is stepped over: tier T's ``reserved_kv_fracti
 its ``reserved_slot_fraction`` of the pool's sequence slots are kept for it, and lower-priority tiers may not take
 the part of them that T is not using — so a top-tier request finds a slot at once even while lower tiers' long
 answers would fill every one. With ``reserved_slot_window_s``, T's reserved slots are at least its arrivals of
-that window while T has a request queued or running: during T's burst lower tiers start nothing new (on an engine that prefills side by side, a lower
-tier's prompt started beside T's requests slows each of them by a whole prefill).
+that window while T has a request queued or running: during T's burst lower tiers start nothing new (on an engine
+that prefills side by side, a lower tier's prompt started beside T's requests slows each of them by a whole
+prefill).
 
 Shedding, every case an :class:`~shared.errors.SluiceError` with ``retry_after_s`` (integer ≥ 1):
 

@@ -197,8 +197,7 @@ class RequestPipeline:
         """
         config = self.config
         n = body.n or 1
-        if n > config.gateway.max_n:
-            raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {config.gateway.max_n}", param="n")
+        _check_max_n(n, config.gateway.max_n)
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
         route = self.fleet.route(body.model, principal.tier,
                                  lambda pool: _unservable_field(body, pool.config) is None)
@@ -245,8 +244,18 @@ class RequestPipeline:
         Raises:
             SluiceError: 400 ``invalid_value`` naming ``n`` (``prompt`` for several prompts with ``n`` 1).
         """
-        generation, runtime, tier = plan.generation, plan.route.runtime, plan.principal.tier.name
-        needed = len(generation.prompts) * generation.n
+        generation = plan.generation
+        self._check_sequences_fit_in(plan.route.runtime, plan.principal.tier.name, len(generation.prompts),
+                                     generation.n)
+
+    def _check_sequences_fit_in(self, runtime: PoolRuntime, tier: str, num_prompts: int, n: int) -> None:
+        """Refuse ``num_prompts`` × ``n`` choices that outnumber the sequence slots ``runtime``'s pool can ever
+        give ``tier`` at once (see :meth:`_check_sequences_fit`).
+
+        Raises:
+            SluiceError: 400 ``invalid_value`` naming ``n`` (``prompt`` for several prompts with ``n`` 1).
+        """
+        needed = num_prompts * n
         if needed <= 1:
             return
         total_slots = self.fleet.max_sequence_slots(runtime)
@@ -254,12 +263,11 @@ class RequestPipeline:
             return
         usable_slots = runtime.admission.usable_sequence_slots(tier, total_slots)
         if needed > usable_slots:
-            shape = f"{len(generation.prompts)} prompts × n={generation.n}" if len(generation.prompts) > 1 \
-                else f"n={generation.n}"
+            shape = f"{num_prompts} prompts × n={n}" if num_prompts > 1 else f"n={n}"
             raise SluiceError(ErrorCode.INVALID_VALUE,
                               f"This request needs {needed} sequences at once ({shape}), but pool '{runtime.name}' "
                               f"runs at most {usable_slots} at once for the '{tier}' tier. Lower n, or send fewer "
-                              f"prompts per request.", param="n" if generation.n > 1 else "prompt")
+                              f"prompts per request.", param="n" if n > 1 else "prompt")
 
     async def collect(self, plan: Plan) -> dict[str, Any]:
         """Run the started generation to its end; return the chat.completion / text_completion object.
@@ -300,19 +308,23 @@ class RequestPipeline:
 
     async def check(self, kind: Kind, raw_body: bytes, tier: str) -> None:
         """Run the steps before admission that need no client against the configured context
-        (``model.max_model_len_tokens``): parse, stop strings, tokenize, cap in ``tier``. The job endpoint's check
-        at submission: a prompt that can never fit is a 400 then, not a job that fails when it runs. Not the context
-        the ready workers give now: a job waits out a time when fewer or smaller workers are up.
+        (``model.max_model_len_tokens``): parse, ``n`` (``gateway.max_n``, and the sequence slots the pool can ever
+        give ``tier`` once a worker of it said Hello), stop strings, tokenize, cap in ``tier``. The job endpoint's
+        check at submission: a request that can never run is a 400 then, not a job that fails when it runs. Not the
+        context the ready workers give now: a job waits out a time when fewer or smaller workers are up.
 
         Raises:
             SluiceError: as :meth:`parse`, :meth:`tokenize` and :meth:`plan` (4xx naming the field).
         """
         body = self.parse(kind, raw_body)
+        n = body.n or 1
+        _check_max_n(n, self.config.gateway.max_n)
         openai_api.stop_strings(body.stop, self.config.gateway.max_stop_sequences)
         runtime = self.fleet.runtime_for_model(body.model)
         _check_servable(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens
         prompt_ids = await self.tokenize(kind, body, context_tokens)
+        self._check_sequences_fit_in(runtime, tier, len(prompt_ids), n)
         if runtime.config.backend == "openai":
             _upstream_prompts(body, runtime.config.engine, self.tokenizer)  # token ids an engine cannot take
         self._caps(kind, body, runtime, tier, prompt_ids, context_tokens)
@@ -362,6 +374,16 @@ def _unservable_field(body: OpenAIRequest, pool: PoolConfig) -> str | None:
         if body.ignore_eos:
             return "ignore_eos"
     return None
+
+
+def _check_max_n(n: int, max_n: int) -> None:
+    """Refuse ``n`` over ``gateway.max_n``.
+
+    Raises:
+        SluiceError: 400 ``invalid_value`` naming ``n``.
+    """
+    if n > max_n:
+        raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {max_n}", param="n")
 
 
 def _check_servable(body: OpenAIRequest, runtime: PoolRuntime) -> None:

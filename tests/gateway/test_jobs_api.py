@@ -144,6 +144,8 @@ def test_invalid_jobs_are_4xx_naming_the_field(server):
         (chat_body("hi", stop=[f"s{i}" for i in range(9)]), 400, "stop"),  # past gateway.max_stop_sequences
         (chat_body("hi", service_tier="nope"), 400, "service_tier"),  # a job runs in the batch tier, but
         # what the sync endpoint refuses is refused here too
+        (chat_body("hi", n=9), 400, "n"),  # past gateway.max_n
+        (chat_body("hi", n=3), 400, "n"),  # more choices than the worker's 2 sequence slots: it could never run
         (chat_body("word " * 3000), 400, "messages"),  # past the 2048-token context: refused now, not failed later
     ]
     _, before = server.get("/v1/jobs?limit=100")

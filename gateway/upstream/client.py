@@ -48,7 +48,7 @@ import aiohttp
 import structlog
 
 from gateway.upstream.engine_metrics import ENGINES_WITHOUT_METRICS, EngineSnapshot, MetricsParseError, \
-    parse_engine_metrics, parse_llamacpp_slots
+    llamacpp_slot_context_tokens, parse_engine_metrics, parse_llamacpp_slots
 from gateway.upstream.rates import StreamDecodeRate, UpstreamRates
 from gateway.upstream.replies import error_message, error_param, model_ids, retry_after_s_of
 from gateway.upstream.request_body import ENGINES_RESUMING_FROM_TOKEN_IDS, UpstreamPrompt, upstream_body
@@ -126,7 +126,8 @@ class UpstreamClient(WorkerClient):
         self._rates = UpstreamRates()
         self._sequence_decode_tokens_per_s = 0.0
         self._stream_decode = StreamDecodeRate()  # one request's decode speed, from the streams read here
-        self._num_slots: int | None = None
+        self._num_slots: int | None = None  # llama.cpp's slots (``GET /slots``), read again after a restart
+        self._slot_context_tokens: int | None = None  # the context of one llama.cpp slot, tokens
         self._own_prompt_tokens = 0  # tokens this gateway sent and received, for engines without counters
         self._own_generation_tokens = 0
         self._last_running = 0
@@ -370,8 +371,8 @@ class UpstreamClient(WorkerClient):
             async with session.get(self.address + "/v1/models", headers=self._headers, timeout=timeout) as response:
                 if response.status == 200:
                     self._check_model(await response.read())
-        if self.engine == "llama.cpp" and self._num_slots is None and not self.max_concurrency:
-            self._num_slots = await self._llamacpp_slots(timeout)
+        if self.engine == "llama.cpp" and self._num_slots is None:
+            self._num_slots, self._slot_context_tokens = await self._llamacpp_slots(timeout)
         return await asyncio.to_thread(parse_engine_metrics, self.engine, text)
 
     def _check_model(self, models_body: bytes) -> None:
@@ -390,15 +391,17 @@ class UpstreamClient(WorkerClient):
             self.model_error = error
             self._changed()
 
-    async def _llamacpp_slots(self, timeout: aiohttp.ClientTimeout) -> int:
-        """Return llama-server's slot count from ``GET /slots`` (0 when it does not serve that endpoint)."""
+    async def _llamacpp_slots(self, timeout: aiohttp.ClientTimeout) -> tuple[int, int | None]:
+        """Return llama-server's slot count and the context of one slot in tokens from ``GET /slots`` ((0, None)
+        when it does not serve that endpoint; the context None when its slots do not say)."""
         try:
             async with self._session.get(self.address + "/slots", headers=self._headers, timeout=timeout) as response:
                 if response.status != 200:
-                    return 0
-                return parse_llamacpp_slots(await response.json())[1]
+                    return 0, None
+                slots = await response.json()
+                return parse_llamacpp_slots(slots)[1], llamacpp_slot_context_tokens(slots)
         except (aiohttp.ClientError, ValueError):
-            return 0
+            return 0, None
 
     def _on_snapshot(self, snapshot: EngineSnapshot) -> None:
         busy = snapshot.num_running > 0 or self._last_running > 0
@@ -410,12 +413,16 @@ class UpstreamClient(WorkerClient):
             self._sequence_decode_tokens_per_s = self._stream_decode.tokens_per_s
         elif snapshot.num_running > 0 and self._rates.decode_tokens_per_s > 0:
             self._sequence_decode_tokens_per_s = self._rates.decode_tokens_per_s / snapshot.num_running
-        if self.hello is None:
-            self.hello = self._make_hello(snapshot)
-            log.info("upstream_ready", upstream=self.name, address=self.address, engine=self.engine,
-                     model=self.model, max_num_seqs=self.hello.max_num_seqs,
-                     kv_capacity_tokens=self.hello.kv_capacity_tokens)
-        if not self._reachable and self.last_error is not None:
+        reconnected = not self._reachable and self.last_error is not None
+        if self.hello is None or reconnected:  # a restarted engine may have other slots or another context
+            hello = self._make_hello(snapshot)
+            if hello != self.hello:
+                self.hello = hello
+                log.info("upstream_ready", upstream=self.name, address=self.address, engine=self.engine,
+                         model=self.model, max_num_seqs=hello.max_num_seqs,
+                         kv_capacity_tokens=hello.kv_capacity_tokens,
+                         max_model_len_tokens=hello.max_model_len_tokens)
+        if reconnected:
             log.info("upstream_reachable_again", upstream=self.name, address=self.address)
             self._models_checked_at_s = -math.inf  # a restarted engine may serve another model: ask at the next poll
             self.breaker.probe_now()  # the polls opened it; the next request tests the engine now, not in cooldown_s
@@ -439,18 +446,23 @@ class UpstreamClient(WorkerClient):
         self._changed()
 
     def _make_hello(self, snapshot: EngineSnapshot) -> Hello:
+        """Return the Hello the pool reads: ``max_concurrency`` slots, else llama.cpp's own, else
+        :data:`DEFAULT_MAX_CONCURRENCY`; the context ``max_model_len_tokens``, or one llama.cpp slot's where smaller
+        (a prompt past it is then a 400 ``context_length_exceeded`` from the gateway, not the engine's error)."""
         max_num_seqs = self.max_concurrency or self._num_slots or DEFAULT_MAX_CONCURRENCY
-        kv_tokens = self.kv_capacity_tokens or snapshot.kv_capacity_tokens or max_num_seqs * self.max_model_len_tokens
+        max_model_len_tokens = min(self.max_model_len_tokens, self._slot_context_tokens or self.max_model_len_tokens)
+        kv_tokens = self.kv_capacity_tokens or snapshot.kv_capacity_tokens or max_num_seqs * max_model_len_tokens
         num_blocks = max(1, kv_tokens // BLOCK_SIZE_TOKENS)
         return Hello(worker_id=self.name, model_id=self.model, backend=self.backend, device=self.address,
                      block_size_tokens=BLOCK_SIZE_TOKENS, num_kv_blocks=num_blocks,
                      kv_capacity_tokens=num_blocks * BLOCK_SIZE_TOKENS, max_num_seqs=max_num_seqs,
-                     max_model_len_tokens=self.max_model_len_tokens, attention_backend="none")
+                     max_model_len_tokens=max_model_len_tokens, attention_backend="none")
 
     def _mark_unreachable(self, reason: str) -> None:
         if self._reachable or self.last_error is None:
             log.warning("upstream_unreachable", upstream=self.name, address=self.address, error=reason)
         self._reachable, self.last_error = False, reason
+        self._num_slots = None  # read again once it answers: it may come back with other slots
         self.capacity = None
         self._ready.clear()
         self.breaker.on_failure()

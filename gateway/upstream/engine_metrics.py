@@ -176,3 +176,10 @@ def parse_llamacpp_slots(slots: list[dict]) -> tuple[int, int]:
     ``is_processing``; older servers say ``state`` 1 for busy)."""
     busy = sum(1 for slot in slots if slot.get("is_processing", slot.get("state", 0) == 1))
     return busy, len(slots)
+
+
+def llamacpp_slot_context_tokens(slots: list[dict]) -> int | None:
+    """Return the context of one llama.cpp slot in tokens (``n_ctx`` of each slot object in ``GET /slots``: the
+    server's ``--ctx-size`` ÷ ``--parallel``; the smallest where they differ), or None where no slot says."""
+    sizes = [slot["n_ctx"] for slot in slots if isinstance(slot.get("n_ctx"), int) and slot["n_ctx"] > 0]
+    return min(sizes) if sizes else None

@@ -11,6 +11,7 @@ import pytest
 from gateway.upstream.engine_metrics import (
     EngineSnapshot,
     MetricsParseError,
+    llamacpp_slot_context_tokens,
     parse_engine_metrics,
     parse_llamacpp_slots,
 )
@@ -48,6 +49,13 @@ def test_label_sets_are_summed():
 
 def test_llamacpp_slots_count_busy_and_total():
     assert parse_llamacpp_slots(json.loads((FIXTURES / "llamacpp_slots.json").read_text())) == (2, 4)
+
+
+def test_llamacpp_slot_context_is_the_smallest_n_ctx_of_its_slots():
+    slots = json.loads((FIXTURES / "llamacpp_slots.json").read_text())
+    assert llamacpp_slot_context_tokens(slots) == 2048
+    assert llamacpp_slot_context_tokens([{**slots[0], "n_ctx": 1024}, *slots[1:]]) == 1024
+    assert llamacpp_slot_context_tokens([{"id": 0, "is_processing": False}]) is None  # a server that does not say
 
 
 def test_rates_come_from_counter_increases_while_busy():

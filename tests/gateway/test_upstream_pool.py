@@ -207,6 +207,46 @@ async def test_an_upstream_that_answers_its_polls_again_is_probed_at_once_not_af
         await runner.cleanup()
 
 
+LLAMACPP_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics" / "llamacpp.txt").read_text()
+
+
+async def test_llamacpp_slots_and_their_context_are_read_again_when_the_engine_comes_back():
+    """README trial 12: llama-server restarted with fewer slots kept its first slot count (an n=2 request then
+    waited out its deadline and read "overloaded" where a 400 naming n was due), and one slot's context (n_ctx)
+    was never read (a prompt past it reached the engine, whose error came back instead of context_length_exceeded)."""
+    engine = {"up": True, "slots": 4, "n_ctx": 2048}
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=LLAMACPP_METRICS) if engine["up"] else web.Response(status=503, text="loading")
+
+    async def slots(request: web.Request) -> web.Response:
+        return web.json_response([{"id": i, "id_task": -1, "n_ctx": engine["n_ctx"], "is_processing": False}
+                                  for i in range(engine["slots"])])
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+
+    url, runner = await serve_routes(("GET", "/metrics", metrics), ("GET", "/slots", slots),
+                                     ("POST", "/v1/chat/completions", chat))
+    client = UpstreamClient(url, "llamacpp-0", engine="llama.cpp", model="m", max_model_len_tokens=8192,
+                            metrics_interval_s=0.05, breaker=CircuitBreaker(3, 60.0))
+    pool = WorkerPool([client])
+    client.start()
+    try:
+        await wait_until(lambda: client.ready, "the first poll")
+        assert (client.hello.max_num_seqs, client.hello.max_model_len_tokens) == (4, 2048)
+        assert pool.max_model_len_tokens(8192) == 2048
+        engine.update(up=False, slots=1, n_ctx=1024)  # restarted with --parallel 1 and a smaller context
+        await wait_until(lambda: not client.ready, "the failed poll")
+        engine["up"] = True
+        await wait_until(lambda: client.ready, "the poll that finds the engine back")
+        assert (client.hello.max_num_seqs, client.hello.max_model_len_tokens) == (1, 1024)
+        assert pool.max_model_len_tokens(8192) == 1024
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
 async def test_one_sequences_decode_speed_is_measured_from_the_streams_read():
     """The slot-wait estimate needs how fast one running request decodes: the client measures it from the tokens
     it reads (an engine that counts output only at a request's end tells it late, or never for an aborted one)."""

@@ -233,7 +233,8 @@ async def serve(options: GatewayOptions, listeners: list[socket.socket]) -> int:
             await web.SockSite(runner, sock).start()
         tune_gc()
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port, pid=os.getpid(),
-                 gateway_id=app[GATEWAY_ID], reuse_port=config.gateway.reuse_port, model=config.model.name)
+                 gateway_id=app[GATEWAY_ID], reuse_port=config.gateway.reuse_port,
+                 model=app[FLEET].default.config.model_name)  # the first pool's served name
         announcer = asyncio.create_task(announce_ready(app, ready_url(config.gateway.host, config.gateway.port)))
         stop, force = asyncio.Event(), asyncio.Event()
 

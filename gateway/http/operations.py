@@ -109,7 +109,7 @@ async def status(request: web.Request) -> web.Response:
     fleet = app[FLEET]
     admission = fleet.admission_stats()  # Structs: serialized by msgspec with the rest
     return web.json_response({
-        "model": config.model.name,
+        "model": fleet.default.config.model_name,  # the first pool's, whose context max_model_len_tokens is
         "pressure": admission.pressure,
         "admission": admission,
         "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),

@@ -181,7 +181,7 @@ async def test_a_vllm_upstream_not_serving_the_configured_model_is_not_ready_unt
 
 async def test_a_strict_engine_gets_token_id_prompts_as_text_and_vllm_only_fields_are_a_400_from_sluice(
         engine, tokenizer, tmp_path):
-    config = ('[model]\nname = "tf-model"\n\n[worker]\nnum_local_workers = 0\n'
+    config = ('[model]\nname = "no-pool-serves-this-name"\n\n[worker]\nnum_local_workers = 0\n'
               + upstream_pool("tf", engine, "transformers") + upstream_pool("gen", engine, "generic"))
     hello = tokenizer.encode("Hello, world", add_special_tokens=False)
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -189,6 +189,7 @@ async def test_a_strict_engine_gets_token_id_prompts_as_text_and_vllm_only_field
     assert len(clef) > 1
     with sluice_serve(tmp_path, config, min_ready_workers=2) as server:
         client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert get_json(server.base_url + "/status")[1]["model"] == "tf-model"  # the first pool's, not [model]'s
         one = await client.completions.create(model="tf-model", prompt=hello, max_tokens=2)
         two = await client.completions.create(model="tf-model", prompt=[hello, [im_start, *hello]], max_tokens=2)
         assert engine.requests[-3]["prompt"] == "Hello, world"

@@ -80,7 +80,7 @@ async def readyz(request: web.Request) -> web.Response:
                     for runtime in fleet.runtimes.values() for lw in runtime.local.values()
                     if lw.client not in runtime.pool.clients]
         why = "; ".join(reasons) if reasons else "no worker configured"
-        raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready yet: {why}", retry_after_s=1)
+        raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready: {why}", retry_after_s=1)
     body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}
     config_errors = fleet.config_errors()
     if config_errors:  # other pools serve; these never will in this run

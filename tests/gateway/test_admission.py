@@ -1089,14 +1089,20 @@ async def test_reserved_slot_shares_round_to_the_nearest_slot_and_need_a_view_th
     assert pool.running == [4]
 
 
-async def test_a_reserve_that_follows_a_tiers_arrivals_holds_lower_tiers_back_through_its_burst():
-    # 4 slots; vip keeps no fixed share, but as many slots as it had arrivals in the last 10 s while it runs
-    pool = SlotPool(max_num_seqs=4)
+async def admitted_vip_burst(num_slots: int, size: int):
+    """Return (pool, clock, controller, burst): ``num_slots`` sequence slots, vip keeping no fixed share but as many
+    slots as it had arrivals in the last 10 s while it runs, and ``size`` vip requests admitted."""
+    pool = SlotPool(max_num_seqs=num_slots)
     clock = FakeClock()
     controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(reserved_slot_window_s=10.0))))
-    burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(3)]
+    burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(size)]
     for ticket in burst:
         await controller.admit(ticket)
+    return pool, clock, controller, burst
+
+
+async def test_a_reserve_that_follows_a_tiers_arrivals_holds_lower_tiers_back_through_its_burst():
+    pool, clock, controller, burst = await admitted_vip_burst(num_slots=4, size=3)
     for ticket in burst[1:]:
         controller.release(ticket, completion_tokens=100)  # one answer of the burst still runs
     clock.advance(1.0)
@@ -1119,12 +1125,7 @@ async def test_a_reserve_that_follows_a_tiers_arrivals_holds_lower_tiers_back_th
 
 async def test_a_reserve_that_follows_arrivals_ends_with_the_tiers_last_answer():
     # a short vip burst that has ended leaves no slot idle for the rest of its window
-    pool = SlotPool(max_num_seqs=2)
-    clock = FakeClock()
-    controller = make_controller(pool, clock, config=make_config(tiers(vip=dict(reserved_slot_window_s=10.0))))
-    burst = [controller.make_ticket("vip", prompt(10), 100) for _ in range(2)]
-    for ticket in burst:
-        await controller.admit(ticket)
+    _, _, controller, burst = await admitted_vip_burst(num_slots=2, size=2)
     standard = queued_task(controller, controller.make_ticket("standard", prompt(10), 100))
     await settle()
     assert not standard.done()  # both slots run vip

@@ -328,7 +328,8 @@ class TierConfig(_Section):
             degrade pool's model and carries ``x-sluice-degraded: 1``.
         degrade_at: the pressure level from which ``degrade_pool`` applies: ``elevated`` or ``critical``.
         defer_on_overload: a sync request of this tier that would be shed with 503 becomes an async job instead
-            (202 + job object + ``Location``; issue 6). A client may also ask with ``x-sluice-defer: allow``.
+            (202 + job object + ``Location``; issue 6); a streamed one only when its client asks (an SSE client
+            cannot read a job). A client may also ask with ``x-sluice-defer: allow``.
     """
 
     name: str

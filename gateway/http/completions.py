@@ -58,7 +58,7 @@ async def serve_completion(request: web.Request, kind: Kind) -> web.StreamRespon
         try:
             await pipeline.admit(plan)
         except SluiceError as exc:  # shed: an async job instead, where the tier or the client allows
-            deferred = await defer_shed_request(request, kind, principal.tier, exc)
+            deferred = await defer_shed_request(request, kind, principal.tier, exc, stream=bool(body.stream))
             if deferred is None:
                 raise
             plan.route.runtime.admission.shedder.count_deferred(principal.tier.name, exc.code)

@@ -278,8 +278,8 @@ async def delete_job(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------------------------- deferral
 
 
-async def defer_shed_request(request: web.Request, kind: str, tier: TierConfig,
-                             error: SluiceError) -> web.Response | None:
+async def defer_shed_request(request: web.Request, kind: str, tier: TierConfig, error: SluiceError,
+                             stream: bool = False) -> web.Response | None:
     """Turn a request admission shed with 503 into a job, when the tier or the client allows it.
 
     Args:
@@ -287,16 +287,19 @@ async def defer_shed_request(request: web.Request, kind: str, tier: TierConfig,
         kind: ``chat`` or ``completion``.
         tier: the tier the request was served in.
         error: the shed error.
+        stream: the request asked for a stream: deferred only when its client asks (``x-sluice-defer: allow``),
+            not by the tier's ``defer_on_overload`` alone — an SSE client reads a 202 job object as an empty
+            stream (the OpenAI SDK yields no chunk and raises nothing), where a 503 with ``Retry-After`` is retried.
 
     Returns:
         202 with the job object and ``Location``; or None when deferral does not apply (not a deferrable 503,
-        neither ``defer_on_overload`` nor ``x-sluice-defer: allow``, jobs not set up, or the key's job limit is
-        reached) and the caller raises ``error`` as usual.
+        neither ``defer_on_overload`` (for a request that does not stream) nor ``x-sluice-defer: allow``, jobs not
+        set up, or the key's job limit is reached) and the caller raises ``error`` as usual.
     """
     if error.code not in DEFERRABLE_CODES or JOBS not in request.app:
         return None
     asked = request.headers.get(DEFER_HEADER, "").strip().lower() == DEFER_ALLOW
-    if not (tier.defer_on_overload or asked):
+    if not (asked or (tier.defer_on_overload and not stream)):
         return None
     service = request.app[JOBS]
     body = openai_api.decode_json(await request.read())

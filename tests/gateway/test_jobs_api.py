@@ -262,6 +262,10 @@ def test_deferral_returns_202_where_a_503_would_have_been(server):
         assert headers["location"] == f"/v1/jobs/{deferred['id']}"
         status, headers, vip_deferred = _sync(server, VIP_KEY, 4)  # the tier defers on overload
         assert status == 202 and vip_deferred["deferred"] is True
+        # ... but not a stream its client did not ask to defer: an SSE client reads a 202 job as an empty stream
+        streamed = {**chat_body("Describe the sea.", 4), "stream": True}
+        status, _, shed_stream = server.post("/v1/chat/completions", streamed, VIP_KEY)
+        assert status == 503 and shed_stream["error"]["code"] in ("queue_full", "predicted_queue_timeout")
         assert server.get(f"/v1/jobs/{vip_deferred['id']}", "key-other")[0] == 404
         assert server.get(f"/v1/jobs/{vip_deferred['id']}", None)[0] == 404
         assert server.get(f"/v1/jobs/{deferred['id']}", None)[1]["status"] == "queued"  # no room while loaded
@@ -276,7 +280,7 @@ def test_deferral_returns_202_where_a_503_would_have_been(server):
     # a deferred request is counted as deferred, not as rejected: rejected counts the 503s answered (trial 4)
     after = _shed_counts(server)
     assert after["standard"] == (before["standard"][0] + 1 + late_503s["standard"], before["standard"][1] + 1)
-    assert after["vip"] == (before["vip"][0] + late_503s["vip"], before["vip"][1] + 1)
+    assert after["vip"] == (before["vip"][0] + 1 + late_503s["vip"], before["vip"][1] + 1)
     answer = server.wait_job(deferred["id"], None, {"succeeded", "failed"}, timeout_s=60)
     assert answer["status"] == "succeeded" and answer["result"]["object"] == "chat.completion"
     assert server.wait_job(vip_deferred["id"], VIP_KEY, {"succeeded"}, timeout_s=60)["result"]["choices"]

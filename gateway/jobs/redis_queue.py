@@ -16,12 +16,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import structlog
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from gateway.jobs.models import MAX_PRIORITY, MIN_PRIORITY, Job
 from gateway.jobs.redis_keyspace import RedisKeyspace
 from gateway.jobs.redis_scripts import FINISH_LUA, GROUP, RENEW_LUA, REQUEUE_LUA, START_LUA, from_hash
+from gateway.jobs.store import STORE_UNAVAILABLE_ERRORS
+
+log = structlog.get_logger("sluice.gateway.jobs")
 
 
 class RedisJobQueue:
@@ -38,12 +42,17 @@ class RedisJobQueue:
         self._next_autoclaim_s = 0.0
 
     async def open(self) -> None:
-        """Load the scripts and create the consumer group of every priority stream (the keyspace is connected)."""
+        """Load the scripts and create the consumer group of every priority stream (the keyspace is connected);
+        with Redis unreachable, the gateway starts without them (its job endpoints answer 503 until Redis is back)
+        and the first claim that reaches Redis creates them."""
         redis = self._keys.redis
         for name, source in (("finish", FINISH_LUA), ("start", START_LUA), ("renew", RENEW_LUA),
                              ("requeue", REQUEUE_LUA)):
             self._scripts[name] = redis.register_script(source)
-        await self._create_groups()
+        try:
+            await self._create_groups()
+        except STORE_UNAVAILABLE_ERRORS as exc:  # the first claim that reaches Redis creates them (NOGROUP)
+            log.warning("job_store_unreachable_at_start", error=f"{type(exc).__name__}: {exc}")
 
     async def _create_groups(self) -> None:
         """Create the consumer group of every priority stream that has none (and the stream with it)."""

@@ -45,7 +45,7 @@ from gateway.jobs.models import (
     SUCCEEDED,
     Job,
 )
-from gateway.jobs.store import JobStore
+from gateway.jobs.store import STORE_UNAVAILABLE_ERRORS, JobStore
 from shared.config import JobsConfig
 from shared.errors import ErrorCode, SluiceError
 
@@ -58,10 +58,47 @@ EXPIRE_BATCH_SIZE = 512
 TRANSIENT_BACKOFF_S = 1.0
 RUN_TIMES_KEPT = 32  # the run times of the jobs that finished last here, for Retry-After
 RETRY_AFTER_UNMEASURED_S = 5.0  # Retry-After of a full key before any job finished here (as store_unavailable's)
-STORE_ERROR_BACKOFF_S = 1.0
+STORE_ERROR_BACKOFF_S = 1.0  # the first wait after a store error; doubled on each one after, up to the next
+MAX_STORE_ERROR_BACKOFF_S = 16.0
 
 # (kind, body JSON bytes, request id, on_admitted) → the response body (chat.completion / text_completion)
 Executor = Callable[[str, bytes, str, Callable[[], None]], Awaitable[dict[str, Any]]]
+
+
+class StoreOutage:
+    """The runner's view of a store that fails: one warning when an outage starts (the operation and the error, no
+    traceback: a Redis that is away is not a bug) and one line when the store answers again, and the backoff before
+    the next try, :data:`STORE_ERROR_BACKOFF_S` doubling to :data:`MAX_STORE_ERROR_BACKOFF_S`. Any other error is a
+    bug: logged with its traceback each time, with the same backoff.
+
+    Attributes:
+        failing: the last store operation failed.
+        num_errors: store errors since start.
+    """
+
+    def __init__(self) -> None:
+        self.failing = False
+        self.num_errors = 0
+        self._backoff_s = STORE_ERROR_BACKOFF_S
+
+    def failed(self, operation: str, exc: Exception) -> float:
+        """Note that ``operation`` failed with ``exc``; return the seconds to wait before the next try."""
+        self.num_errors += 1
+        if not isinstance(exc, STORE_UNAVAILABLE_ERRORS):
+            log.warning("job_store_error", operation=operation, exc_info=exc)
+        elif not self.failing:
+            log.warning("job_store_unreachable", operation=operation, error=f"{type(exc).__name__}: {exc}")
+        if self.failing:
+            self._backoff_s = min(MAX_STORE_ERROR_BACKOFF_S, 2 * self._backoff_s)
+        self.failing = True
+        return self._backoff_s
+
+    def succeeded(self) -> None:
+        """Note that a store operation succeeded: an outage, if any, is over."""
+        if self.failing:
+            log.info("job_store_reachable_again", errors=self.num_errors)
+            self.failing = False
+            self._backoff_s = STORE_ERROR_BACKOFF_S
 
 
 class BatchFinalizer(Protocol):
@@ -107,6 +144,7 @@ class JobRunner:
         self.num_failed = 0
         self.num_requeued = 0
         self._run_times_s: deque[float] = deque(maxlen=RUN_TIMES_KEPT)  # claim to success, seconds
+        self.store_outage = StoreOutage()  # claims, lease renewals and upkeep that fail
 
     @property
     def retention_s(self) -> float:
@@ -199,10 +237,10 @@ class JobRunner:
                 continue
             try:
                 job = await self.store.claim(self.runner_id, self.config.lease_timeout_s, self._clock())
-            except Exception:
-                log.warning("job_claim_failed", exc_info=True)
-                await asyncio.sleep(STORE_ERROR_BACKOFF_S)
+            except Exception as exc:
+                await asyncio.sleep(self.store_outage.failed("claim", exc))
                 continue
+            self.store_outage.succeeded()
             if job is None:
                 await self._sleep(poll_s)
                 continue
@@ -298,8 +336,8 @@ class JobRunner:
                 try:
                     held = await self.store.renew(job_id, self.runner_id, self.config.lease_timeout_s,
                                                   self._clock())
-                except Exception:
-                    log.warning("job_renew_failed", job_id=job_id, exc_info=True)
+                except Exception as exc:
+                    self.store_outage.failed("renew", exc)  # the next beat tries again: the lease outlasts two
                     continue
                 if not held:  # cancelled, expired, or taken over after our lease ran out
                     log.info("job_lease_lost", job_id=job_id, runner=self.runner_id)
@@ -310,6 +348,7 @@ class JobRunner:
     async def _upkeep_loop(self) -> None:
         next_purge_s = 0.0
         while True:
+            wait_s = max(UPKEEP_INTERVAL_S, self.config.poll_interval_s)
             try:
                 await self.expire_due()
                 for batch_id in await self.store.open_batch_ids():
@@ -320,9 +359,11 @@ class JobRunner:
                     removed = await self.store.purge(now_s)
                     if removed:
                         log.info("jobs_purged", records=removed)
-            except Exception:
-                log.warning("jobs_upkeep_failed", exc_info=True)
-            await asyncio.sleep(max(UPKEEP_INTERVAL_S, self.config.poll_interval_s))
+            except Exception as exc:
+                wait_s = max(wait_s, self.store_outage.failed("upkeep", exc))
+            else:
+                self.store_outage.succeeded()
+            await asyncio.sleep(wait_s)
 
     async def expire_due(self) -> int:
         """Mark unfinished jobs past their completion window ``expired``; return how many this call marked."""

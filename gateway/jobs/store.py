@@ -22,7 +22,13 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import redis.exceptions
+
 from gateway.jobs.models import Batch, FileRecord, Job, JobsSummary
+
+# A store that cannot be reached for now (Redis stopped, restarting or unreachable): 503, not a bug.
+STORE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.ConnectionError,
+                                                             redis.exceptions.TimeoutError)
 
 
 class TooManyJobsError(Exception):

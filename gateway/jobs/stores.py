@@ -3,17 +3,12 @@ reached raises."""
 
 from __future__ import annotations
 
-import redis.exceptions
-
 from gateway.jobs.redis_store import RedisJobStore
 from gateway.jobs.sqlite_store import SqliteJobStore
-from gateway.jobs.store import JobStore
+from gateway.jobs.store import STORE_UNAVAILABLE_ERRORS, JobStore
 from shared.config import JobsConfig, default_jobs_sqlite_path
 
-
-# A store that cannot be reached for now (Redis stopped, restarting or unreachable): 503, not a bug.
-STORE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.ConnectionError,
-                                                             redis.exceptions.TimeoutError)
+__all__ = ["STORE_UNAVAILABLE_ERRORS", "make_store"]
 
 
 def make_store(config: JobsConfig) -> JobStore:

@@ -18,7 +18,8 @@ from gateway.jobs.api import JOBS, JobsService
 from gateway.jobs.redis_store import RedisJobStore
 from gateway.metrics import Metrics
 from gateway.state import METRICS
-from tests.support.server import free_port
+from tests.gateway.jobs_support import chat_body, sim_config
+from tests.support.server import SluiceProcess, free_port, get_json, post_json, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server (make redis)")
 
@@ -64,3 +65,35 @@ async def test_metrics_and_the_status_job_summary_answer_while_the_store_redis_i
         redis_process.kill()
         redis_process.wait()
         await store.close()
+
+
+def test_a_gateway_whose_job_store_redis_is_away_at_start_serves_and_says_so_once(tmp_path):
+    """README trial 13: a Redis job store unreachable at start ended ``sluice serve`` with a traceback (chat down too,
+    though it needs no job store), and an outage logged two full tracebacks a second (with console logs the event
+    loop spent its time formatting them). Now: the gateway serves, its job endpoints answer 503 until Redis is
+    there, the outage is one warning, and once Redis comes jobs run (the consumer groups are created then)."""
+    port = free_port()
+    config = sim_config(f'store = "redis"\nredis_url = "redis://127.0.0.1:{port}/0"\n'
+                        f'redis_key_prefix = "sluice-test-start-{port}"\nidle_grace_s = 0.0\n', time_scale=50.0)
+    with SluiceProcess(config, tmp_path, min_ready_workers=1) as gateway:
+        assert post_json(gateway.base_url + "/v1/chat/completions", chat_body("Say hi.", 4))[0] == 200
+        status, body, headers = post_json(gateway.base_url + "/v1/jobs", chat_body("Say hi.", 4))
+        assert status == 503 and body["error"]["code"] == "store_unavailable" and headers["Retry-After"] == "5"
+        time.sleep(4.0)  # the runner's upkeep tries the store every second (backing off)
+        assert len(gateway.log_events("job_store_unreachable_at_start")) == 1
+        assert len(gateway.log_events("job_store_unreachable")) == 1
+        assert "Traceback" not in gateway.log_text()
+        redis_process = _start_redis(port)
+        try:
+            wait_for(lambda: gateway.log_events("job_store_reachable_again"), 30.0, "the runner to find Redis")
+            status, job, _ = post_json(gateway.base_url + "/v1/jobs", chat_body("Say hi.", 4))
+            assert status == 202, job
+
+            def finished():
+                done = get_json(gateway.base_url + f"/v1/jobs/{job['id']}")[1]
+                return done if done["status"] in ("succeeded", "failed") else None
+
+            assert wait_for(finished, 30.0, "the job to run")["status"] == "succeeded"
+        finally:
+            redis_process.kill()
+            redis_process.wait()

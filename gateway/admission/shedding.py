@@ -92,9 +92,14 @@ class Shedder:
     def count_deferred(self, tier: str, code: ErrorCode) -> None:
         """Count a request of ``tier`` shed with ``code`` whose client got an async job instead (202) as deferred,
         not rejected (``/status`` ``deferred``, ``sluice_deferred_total``): the shed counted it as rejected."""
+        self.uncount_rejected(tier, code)
+        self._queues[tier].num_deferred[code.value] += 1
+
+    def uncount_rejected(self, tier: str, code: ErrorCode) -> None:
+        """Take back the rejection a shed with ``code`` counted for ``tier``: no client got that 503 (a deferral,
+        or a job's request that its runner puts back in the job queue, counted there as requeued)."""
         queue = self._queues[tier]
         queue.num_rejected -= Counter({code.value: 1})  # a Counter keeps positive counts only
-        queue.num_deferred[code.value] += 1
 
     def shed_at_worker(self, ticket: Ticket[Any], message: str) -> SluiceError:
         """Count a ``queue_timeout`` of a ticket the worker dropped unstarted at its start deadline, and return the

@@ -344,14 +344,21 @@ class RequestPipeline:
             The chat.completion (or text_completion) object.
 
         Raises:
-            SluiceError: as the HTTP handlers (4xx bad input, 429/503 shed, 502/504 worker failure).
+            SluiceError: as the HTTP handlers (4xx bad input, 429/503 shed, 502/504 worker failure). A 503 shed
+                is not counted in the tier's rejections (``/status``, ``sluice_rejected_total``: the 503s answered):
+                the job runner puts the job back in its queue.
         """
         arrival_s = time.perf_counter()
         body = self.parse(kind, raw_body)
         prompt_ids = await self.tokenize(kind, body)
         plan = self.plan(kind, body, principal, prompt_ids, request_id, arrival_s)
         try:
-            await self.admit(plan)
+            try:
+                await self.admit(plan)
+            except SluiceError as exc:  # shed: the job runner requeues the job, no client gets this 503
+                if exc.status >= 500:
+                    plan.route.runtime.admission.shedder.uncount_rejected(principal.tier.name, exc.code)
+                raise
             if on_admitted is not None:
                 on_admitted()
             plan.generation.start()

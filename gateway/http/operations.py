@@ -109,7 +109,7 @@ async def status(request: web.Request) -> web.Response:
     fleet = app[FLEET]
     admission = fleet.admission_stats()  # Structs: serialized by msgspec with the rest
     return web.json_response({
-        "model": fleet.default.config.model_name,  # the first pool's, whose context max_model_len_tokens is
+        "model": fleet.default.config.model_name,  # the first pool's, as max_model_len_tokens below
         "pressure": admission.pressure,
         "admission": admission,
         "max_model_len_tokens": app[POOL].max_model_len_tokens(config.model.max_model_len_tokens),

@@ -230,27 +230,17 @@ class RequestPipeline:
             SluiceError: 400 when the request needs more sequences at once than its pool can ever run for its tier
                 (:meth:`_check_sequences_fit`); 429/503 with ``Retry-After`` when shed.
         """
-        self._check_sequences_fit(plan)
+        generation = plan.generation
+        self._check_sequences_fit(plan.route.runtime, plan.principal.tier.name, len(generation.prompts), generation.n)
         self.fleet.check_cold_start(plan.route.runtime, plan.principal.tier.name)
         await plan.generation.admit()
 
-    def _check_sequences_fit(self, plan: Plan) -> None:
-        """Refuse a request whose choices (prompts × ``n``) outnumber the sequence slots its pool can ever give its
-        tier at once (:meth:`Fleet.max_sequence_slots` less the slots the tiers above reserve): its choices are
-        admitted together, so it would hold the slots it got while waiting out its queue deadline for the rest,
-        and then get a 503 that no retry can change. Nothing is refused before a worker of the pool said Hello
-        (the slots are not known yet).
-
-        Raises:
-            SluiceError: 400 ``invalid_value`` naming ``n`` (``prompt`` for several prompts with ``n`` 1).
-        """
-        generation = plan.generation
-        self._check_sequences_fit_in(plan.route.runtime, plan.principal.tier.name, len(generation.prompts),
-                                     generation.n)
-
-    def _check_sequences_fit_in(self, runtime: PoolRuntime, tier: str, num_prompts: int, n: int) -> None:
-        """Refuse ``num_prompts`` × ``n`` choices that outnumber the sequence slots ``runtime``'s pool can ever
-        give ``tier`` at once (see :meth:`_check_sequences_fit`).
+    def _check_sequences_fit(self, runtime: PoolRuntime, tier: str, num_prompts: int, n: int) -> None:
+        """Refuse a request whose choices (``num_prompts`` × ``n``) outnumber the sequence slots ``runtime``'s pool
+        can ever give ``tier`` at once (:meth:`Fleet.max_sequence_slots` less the slots the tiers above reserve): its
+        choices are admitted together, so it would hold the slots it got while waiting out its queue deadline for
+        the rest, and then get a 503 that no retry can change. Nothing is refused before a worker of the pool said
+        Hello (the slots are not known yet).
 
         Raises:
             SluiceError: 400 ``invalid_value`` naming ``n`` (``prompt`` for several prompts with ``n`` 1).
@@ -324,7 +314,7 @@ class RequestPipeline:
         _check_servable(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens
         prompt_ids = await self.tokenize(kind, body, context_tokens)
-        self._check_sequences_fit_in(runtime, tier, len(prompt_ids), n)
+        self._check_sequences_fit(runtime, tier, len(prompt_ids), n)
         if runtime.config.backend == "openai":
             _upstream_prompts(body, runtime.config.engine, self.tokenizer)  # token ids an engine cannot take
         self._caps(kind, body, runtime, tier, prompt_ids, context_tokens)

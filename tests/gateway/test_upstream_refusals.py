@@ -169,7 +169,7 @@ async def test_a_vllm_upstream_not_serving_the_configured_model_is_not_ready_unt
             f"upstream engine-0 at {url}: the engine serves 'other-model', not the configured model 'org/model' "
             "(set pools[1].upstream_model to one of them)")
         served.append("org/model")
-        client._models_checked_at_s = float("-inf")  # as after MODEL_CHECK_INTERVAL_S
+        client.probe.recheck_models()  # as after MODEL_CHECK_INTERVAL_S
         while not client.ready:
             assert time.monotonic() < deadline, "the model check never passed"
             await asyncio.sleep(0.05)

@@ -18,7 +18,8 @@ from aiohttp import web
 from gateway.jobs.api import defer_shed_request
 from gateway.pipeline.choice import TextEvent
 from gateway.pipeline.classify import Principal
-from gateway.pipeline.request import Kind, OpenAIRequest, Plan
+from gateway.pipeline.openai_api import OpenAIRequest
+from gateway.pipeline.request import Kind, Plan
 from gateway.pipeline.responses import DONE_EVENT, ChunkFactory, sse_error_event
 from gateway.state import METRICS, PIPELINE, REQUEST_ID, REQUEST_LOG, RESOLVER
 from shared.errors import SluiceError

@@ -148,6 +148,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
+OpenAIRequest = ChatCompletionRequest | CompletionRequest  # a parsed body of either endpoint
+
+
 _PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _MISSING_RE = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 

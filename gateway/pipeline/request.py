@@ -29,22 +29,21 @@ from gateway.fleet.fleet import Fleet
 from gateway.fleet.pools import PoolRuntime, Route
 from gateway.metrics import Metrics
 from gateway.pipeline import openai_api
+from gateway.pipeline.openai_api import OpenAIRequest
 from gateway.pipeline.choice import FinishEvent
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.generate import Generation
 from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob
 from gateway.pipeline.responses import chat_completion, text_completion
 from gateway.pipeline.tokenize import PromptTooLong, Tokenizer
-from gateway.upstream.request_body import ENGINES_RESUMING_FROM_TOKEN_IDS, ENGINES_WITHOUT_VLLM_SAMPLING, \
-    UpstreamPrompt
-from shared.config import Config, PoolConfig
+from gateway.pipeline.upstream_fit import check_servable, unservable_field, upstream_prompts
+from shared.config import Config
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
 
 MAX_PROMPTS_PER_REQUEST = 64
 
 Kind = Literal["chat", "completion"]
-OpenAIRequest = openai_api.ChatCompletionRequest | openai_api.CompletionRequest
 
 
 @dataclass
@@ -200,9 +199,9 @@ class RequestPipeline:
         _check_max_n(n, config.gateway.max_n)
         stop_strings = openai_api.stop_strings(body.stop, config.gateway.max_stop_sequences)
         route = self.fleet.route(body.model, principal.tier,
-                                 lambda pool: _unservable_field(body, pool.config) is None)
+                                 lambda pool: unservable_field(body, pool.config) is None)
         runtime = route.runtime
-        _check_servable(body, runtime)
+        check_servable(body, runtime)
         caps = self._caps(kind, body, runtime, principal.tier.name, prompt_ids)
         generation = Generation(
             request_id=request_id, prompts=prompt_ids, max_tokens=[cap.max_tokens for cap in caps], n=n,
@@ -211,7 +210,7 @@ class RequestPipeline:
             first_token_timeout_s=config.gateway.first_token_timeout_s,
             stall_timeout_s=config.gateway.stall_timeout_s, arrival_s=arrival_s,
             cache_key=body.prompt_cache_key or "", ignore_eos=body.ignore_eos,
-            upstream_prompts=(_upstream_prompts(body, runtime.config.engine, self.tokenizer)
+            upstream_prompts=(upstream_prompts(body, runtime.config.engine, self.tokenizer)
                               if runtime.config.backend == "openai" else None),
         )
         plan = Plan(kind, request_id, body, principal, route, prompt_ids, caps, generation, arrival_s)
@@ -311,12 +310,12 @@ class RequestPipeline:
         _check_max_n(n, self.config.gateway.max_n)
         openai_api.stop_strings(body.stop, self.config.gateway.max_stop_sequences)
         runtime = self.fleet.runtime_for_model(body.model)
-        _check_servable(body, runtime)
+        check_servable(body, runtime)
         context_tokens = self.config.model.max_model_len_tokens
         prompt_ids = await self.tokenize(kind, body, context_tokens)
         self._check_sequences_fit(runtime, tier, len(prompt_ids), n)
         if runtime.config.backend == "openai":
-            _upstream_prompts(body, runtime.config.engine, self.tokenizer)  # token ids an engine cannot take
+            upstream_prompts(body, runtime.config.engine, self.tokenizer)  # token ids an engine cannot take
         self._caps(kind, body, runtime, tier, prompt_ids, context_tokens)
 
     async def run_completion(self, kind: Kind, raw_body: bytes, *, principal: Principal, request_id: str,
@@ -357,22 +356,6 @@ class RequestPipeline:
             plan.generation.close()
 
 
-def _unservable_field(body: OpenAIRequest, pool: PoolConfig) -> str | None:
-    """Return the field of the request that ``pool`` cannot serve, or None: ``logprobs`` on a pool of upstream
-    engines (``gateway.upstream`` streams their text, not their log-probabilities); ``top_k`` or ``ignore_eos`` on an
-    engine that refuses vLLM's sampling extensions (:data:`ENGINES_WITHOUT_VLLM_SAMPLING`)."""
-    if pool.backend != "openai":
-        return None
-    if openai_api.logprobs_wanted(body)[0]:
-        return "logprobs"
-    if pool.engine in ENGINES_WITHOUT_VLLM_SAMPLING:
-        if (body.top_k or 0) > 0:
-            return "top_k"
-        if body.ignore_eos:
-            return "ignore_eos"
-    return None
-
-
 def _check_max_n(n: int, max_n: int) -> None:
     """Refuse ``n`` over ``gateway.max_n``.
 
@@ -383,65 +366,12 @@ def _check_max_n(n: int, max_n: int) -> None:
         raise SluiceError(ErrorCode.INVALID_VALUE, f"n must be at most {max_n}", param="n")
 
 
-def _check_servable(body: OpenAIRequest, runtime: PoolRuntime) -> None:
-    """Raise 400 naming the field the request's pool cannot serve (:func:`_unservable_field`), rather than answer
-    without it or pass on the engine's own refusal, which names no field."""
-    field = _unservable_field(body, runtime.config)
-    if field == "logprobs":
-        raise SluiceError(ErrorCode.INVALID_VALUE, f"logprobs are not available from model '{body.model}': its pool "
-                          f"'{runtime.name}' is an upstream engine, whose log-probabilities this gateway does not pass "
-                          "through", param="logprobs")
-    if field is not None:
-        engine = runtime.config.engine
-        which = (f"an upstream {engine} engine, which does not take it" if engine != "generic"
-                 else "an upstream engine of unknown kind (engine = \"generic\"), which may not take it")
-        raise SluiceError(ErrorCode.INVALID_VALUE, f"{field} is not available from model '{body.model}': its pool "
-                          f"'{runtime.name}' is {which}", param=field)
-
-
 def _too_long(context_tokens: int, num_tokens_at_least: int, param: str, detail: str = "") -> SluiceError:
     return SluiceError(
         ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         f"This model's maximum context length is {context_tokens} tokens, but the prompt has at least "
         f"{num_tokens_at_least} tokens{detail}, leaving no room for output. Shorten the messages or the prompt.",
         param=param)
-
-
-def _upstream_prompts(body: OpenAIRequest, engine: str, tokenizer: Tokenizer) -> list[UpstreamPrompt]:
-    """Return what an upstream pool is sent per prompt: the chat messages, or each completion prompt; a prompt of
-    token ids goes as its text to an engine that takes only text (not in
-    :data:`~gateway.upstream.request_body.ENGINES_RESUMING_FROM_TOKEN_IDS`: ``transformers serve`` answers "prompt
-    must be a string").
-
-    Raises:
-        SluiceError: 400 naming the prompt whose token ids no text spells (:func:`_prompt_text`).
-    """
-    if isinstance(body, openai_api.ChatCompletionRequest):
-        return [UpstreamPrompt(messages=openai_api.chat_messages(body))]
-    prompts = openai_api.completion_prompts(body)
-    if engine in ENGINES_RESUMING_FROM_TOKEN_IDS:
-        return [UpstreamPrompt(prompt=prompt) for prompt in prompts]
-    return [UpstreamPrompt(prompt=prompt if isinstance(prompt, str) else
-                           _prompt_text(prompt, tokenizer, "prompt" if len(prompts) == 1 else f"prompt[{i}]", engine))
-            for i, prompt in enumerate(prompts)]
-
-
-def _prompt_text(token_ids: list[int], tokenizer: Tokenizer, param: str, engine: str) -> str:
-    """Return the text ``token_ids`` spell, special tokens included (``<|im_start|>`` stays in the prompt), for an
-    engine that tokenizes it again.
-
-    Raises:
-        SluiceError: 400 naming ``param`` when the ids do not spell whole UTF-8 characters (a byte token cut from
-            its character): no text stands for them, and the engine would read a replacement character instead.
-    """
-    raw = tokenizer.byte_level_bytes(token_ids) if tokenizer.byte_level else tokenizer.token_bytes(token_ids)
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SluiceError(ErrorCode.INVALID_VALUE, f"this model's pool is an upstream {engine} engine, which takes a "
-                          "prompt only as text, and these token ids do not decode to whole UTF-8 characters; send "
-                          "the prompt as text", param=param) from None
-    return tokenizer.backend.decode(token_ids, skip_special_tokens=False)
 
 
 def _sampling(body: OpenAIRequest) -> SamplingParams:

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.admission.stats import AdmissionStats
 from gateway.loop_metrics import LoopCounterFamily, LoopHistogramFamily, LoopMetricsCollector
-from gateway.workers.pool import WorkerStatus
+from gateway.workers.status import WorkerStatus
 from shared.protocol import KV_STAT_COUNTERS, Capacity
 
 if TYPE_CHECKING:  # gateway.jobs imports gateway.state, which imports this module

@@ -52,7 +52,8 @@ from gateway.fleet.spawn import WorkerSpawner, preload_modules
 from gateway.metrics import Metrics
 from gateway.upstream.pool_config import make_upstream_client
 from gateway.workers.client import WorkerClient
-from gateway.workers.pool import WorkerPool, WorkerStatus
+from gateway.workers.pool import WorkerPool
+from gateway.workers.status import WorkerStatus
 from shared.auth import load_secret
 from shared.config import Config, PoolConfig, TierConfig, effective_pools, effective_tiers, validate_pool_config
 from shared.errors import SluiceError, model_not_found

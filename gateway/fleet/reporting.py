@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.admission.stats import AdmissionStats, merge_admission_stats
 from gateway.fleet.autoscaler import Autoscaler, WorkerSecondsMeter, WorkerState
 from gateway.fleet.pools import PoolRuntime
-from gateway.workers.pool import WorkerStatus
+from gateway.workers.status import WorkerStatus
 from shared.config import Config
 
 

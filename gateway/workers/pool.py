@@ -23,57 +23,17 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
-
-import msgspec
+from typing import Callable
 
 from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.client import WorkerClient
 from gateway.workers.kv_booking import shareable_hashes
 from gateway.workers.reservation import Reservation
+from gateway.workers.status import WorkerStatus, worker_status
 from shared.config import BreakerConfig
 from shared.prefix_hash import hash_token_blocks
 
 NO_WORKER_RETRY_AFTER_S = 1.0  # Retry-After while no worker is ready (a reconnect or restart takes about this)
-
-
-class WorkerStatus(msgspec.Struct):
-    """One worker as ``/status`` shows it and Prometheus exports it.
-
-    Attributes:
-        name, address: its label and where the gateway connects.
-        ready, backend, simulator: connected and said Hello; its backend (``sim`` = the roofline simulator).
-        breaker: its circuit breaker's state and counters.
-        in_flight, reservations, pending_prefill, reserved_kv_blocks: this gateway's requests running on it,
-            reservations held, prompts not yet started, KV blocks promised.
-        connections: connections made so far.
-        hello, capacity: its last ``Hello`` and ``Capacity`` fields (None before the first).
-        capacity_age_s: seconds since the last capacity report.
-        state: ``ready``; ``starting`` (never connected yet, or an upstream not polled yet); ``draining``;
-            ``down`` (it was connected once and is not now); the fleet puts a local worker process's own state here.
-        not_ready_reason: why it takes no request now (``/readyz``'s words), None when it does.
-        pool, local: the pool it serves and whether this gateway spawned it (set by the fleet; ``""`` / False from
-            a bare pool).
-    """
-
-    name: str
-    address: str
-    ready: bool
-    backend: str
-    simulator: bool
-    breaker: dict[str, Any]
-    in_flight: int
-    reservations: int
-    pending_prefill: int
-    reserved_kv_blocks: int
-    connections: int
-    hello: dict[str, Any] | None
-    capacity: dict[str, Any] | None
-    capacity_age_s: float | None
-    state: str = ""
-    not_ready_reason: str | None = None
-    pool: str = ""
-    local: bool = False
 
 
 class _PromptHashes:
@@ -408,35 +368,4 @@ class WorkerPool:
     def status(self) -> list[WorkerStatus]:
         """Return a snapshot of every worker (for ``/status`` and metrics)."""
         now_s = time.time()
-        return [
-            WorkerStatus(
-                name=c.name,
-                address=c.address,
-                ready=c.ready,
-                backend=c.backend,
-                simulator=c.backend == "sim",
-                breaker=c.breaker.snapshot(),
-                in_flight=c.num_in_flight,
-                reservations=c.num_reserved,
-                pending_prefill=c.prefill.num_pending,
-                reserved_kv_blocks=c.reserved_blocks,
-                connections=c.num_connections,
-                hello=msgspec.structs.asdict(c.hello) if c.hello else None,
-                capacity=msgspec.structs.asdict(c.capacity) if c.capacity else None,
-                capacity_age_s=round(now_s - c.capacity_at_s, 3) if c.capacity else None,
-                state=_worker_state(c),
-                not_ready_reason=c.not_ready_reason(),
-            )
-            for c in self.clients
-        ]
-
-
-def _worker_state(client: WorkerClient) -> str:
-    """Return ``WorkerStatus.state`` of a worker as this pool sees it."""
-    if client.ready:
-        return "ready"
-    if client.draining or (client.capacity is not None and client.capacity.draining):
-        return "draining"
-    if client.hello is None and client.num_connections == 0:
-        return "starting"
-    return "down"  # it was connected once (a lost connection clears its Hello) and is not now
+        return [worker_status(client, now_s) for client in self.clients]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.admission.pressure import PressureStats
 from gateway.admission.stats import AdmissionStats, TierStats
 from gateway.metrics import Metrics, parse_kv_stat_key
-from gateway.workers.pool import WorkerStatus
+from gateway.workers.status import WorkerStatus
 
 
 def test_kv_stat_keys_become_metric_suffixes_and_labels():

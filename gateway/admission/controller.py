@@ -37,31 +37,9 @@ cause                         status  when
 ``server_draining``           503     the gateway is shutting down
 ============================  ======  ===================================================================
 
-Predicted wait (prediction-based early rejection, after Qin et al., "Mooncake: Trading More Storage for Less
-Computation — A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): tokens of work ahead of the request
-— the expected prompt + output tokens of everything queued in its tier and higher tiers — ÷ the drain rate in
-tokens/s. The drain rate is measured where it happens: the expected work admission dispatched while requests were
-held in the queue for lack of room (a backlog: every dispatch then is the workers' capacity freeing), ÷ the serving
-worker-seconds of those backlogged periods over ``admission.rate_window_s``, × the workers serving (and, for an
-elastic pool, starting) now. That is the queue's service rate under load whatever limits it (prefill backlog,
-sequence slots, KV), as in the M/G/c busy-period throughput. The room a worker brings when it joins (a scale-up: its
-first prefill backlog and sequence slots fill at once) is not service, so the dispatch pass that meets a new serving
-worker is left out of the measure. A window with too little backlog in it (``MIN_BACKLOG_WORKER_S``) keeps the last
-per-worker rate it measured: that is a property of the workers, and a pool that was idle or scaled to zero between
-two bursts serves the next one at it (the next backlog measures it anew). Until some backlog has ever been seen, the
-workers' decode + prefill rates from their capacity reports stand in; before those, the plain dispatch rate.
-Expected output is ``max_tokens`` × the measured fraction of ``max_tokens`` that finished requests actually
-produced. Work ÷ rate alone misses a full pool of long answers: nobody is admitted until one of them ends, however
-little work is queued. So while requests are held because sequence slots or KV blocks are taken, the prediction is
-instead the time until a slot frees for the request: list scheduling of the requests ahead over the admitted
-requests' expected ends, from the workers' per-sequence prefill and decode rates
-(:meth:`~gateway.admission.wait_estimate.WaitEstimator.slot_wait_s`); work ÷ rate stays for a queue held by the
-prefill backlog limit (idle slots) or before those rates are measured. The check runs after the dispatch at arrival,
-so a request that starts at once is never rejected for it.
-``Retry-After`` is that drain time of the tier's queue (for a predicted miss: the part beyond the deadline; for a
-pressure shed: the drain time of all queues, at least the dwell left in the level; for a 429: when the key's
-bucket has refilled enough); with no rate measured yet it falls back to the tier's deadline. Clamped to
-[1, ``admission.max_retry_after_s``].
+Predicted wait and ``Retry-After``: :mod:`gateway.admission.wait_estimate` says how each is computed (work ahead ÷
+the measured drain rate, or the time until a sequence slot frees while requests are held for lack of room; Mooncake,
+FAST'25).
 
 Per request, the gateway calls::
 
@@ -89,14 +67,14 @@ from gateway.admission.capacity import CapacityView, ReservationT
 from gateway.admission.dispatch import Dispatcher
 from gateway.admission.order import FifoOrder, make_dispatch_order
 from gateway.admission.preemption import Preemption
-from gateway.admission.pressure import PressureMonitor
+from gateway.admission.pressure import PressureMonitor, pressure_signal_tier
 from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.admission.rates import ServiceRates
 from gateway.admission.shedding import Shedder
 from gateway.admission.stats import AdmissionStats, tier_stats
 from gateway.admission.tickets import Ticket, TicketState, TierQueue
 from gateway.admission.wait_estimate import WaitEstimator
-from shared.config import Config, TierConfig, effective_tiers, validate_admission_config
+from shared.config import Config, effective_tiers, validate_admission_config
 from shared.errors import ErrorCode, SluiceError
 
 if TYPE_CHECKING:
@@ -447,18 +425,3 @@ class AdmissionController(Generic[ReservationT]):
         """Feed the pressure monitor (``Shedder.observe_pressure``); a no-op with admission off."""
         if self._enabled:
             self.shedder.observe_pressure(self._pressure_tier)
-
-
-def pressure_signal_tier(tiers: Sequence[TierConfig], pressure: PressureMonitor) -> TierConfig:
-    """Return the tier whose queue wait is the pressure level's signal: the lowest-priority tier that no pressure
-    level sheds (:meth:`PressureMonitor.sheds_at_some_level`), else the lowest tier.
-
-    The work of a tier that pressure may shed yields to every other tier (jobs run in the lowest tier and fill
-    valleys), so its own backlog says nothing of the service the others get; counting it would let a backlog of
-    sheddable work raise the level that sheds it and tighten every tier's caps and deadlines.
-
-    Args:
-        tiers: the effective tiers, highest priority first.
-    """
-    kept = [tier for tier in tiers if not pressure.sheds_at_some_level(tier.name)]
-    return (kept or list(tiers))[-1]

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from shared.config import PressureConfig, PressureLevelConfig
+from shared.config import PressureConfig, PressureLevelConfig, TierConfig
 
 
 class PressureStats(msgspec.Struct):
@@ -160,3 +160,18 @@ class PressureMonitor:
     def snapshot(self) -> dict[str, Any]:
         """Return :meth:`stats` as JSON-ready builtins."""
         return msgspec.to_builtins(self.stats())
+
+
+def pressure_signal_tier(tiers: Sequence[TierConfig], pressure: PressureMonitor) -> TierConfig:
+    """Return the tier whose queue wait is the pressure level's signal: the lowest-priority tier that no pressure
+    level sheds (:meth:`PressureMonitor.sheds_at_some_level`), else the lowest tier.
+
+    The work of a tier that pressure may shed yields to every other tier (jobs run in the lowest tier and fill
+    valleys), so its own backlog says nothing of the service the others get; counting it would let a backlog of
+    sheddable work raise the level that sheds it and tighten every tier's caps and deadlines.
+
+    Args:
+        tiers: the effective tiers, highest priority first.
+    """
+    kept = [tier for tier in tiers if not pressure.sheds_at_some_level(tier.name)]
+    return (kept or list(tiers))[-1]

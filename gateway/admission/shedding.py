@@ -139,7 +139,7 @@ class Shedder:
         above it, or the predicted wait of a request arriving in ``signal_tier`` (behind all their queued work) when
         longer — and the pool's KV use; when the level rises to one that sheds a tier, shed that tier's queue too
         (503 ``server_overloaded``). Tiers below ``signal_tier`` (those a level sheds:
-        :func:`~gateway.admission.controller.pressure_signal_tier`) do not raise the level."""
+        :func:`~gateway.admission.pressure.pressure_signal_tier`) do not raise the level."""
         now_s = self._clock()
         oldest_wait_s = max(
             (

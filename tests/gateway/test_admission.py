@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.admission.controller import AdmissionController, pressure_signal_tier
+from gateway.admission.controller import AdmissionController
 from gateway.admission.tickets import TicketState
-from gateway.admission.pressure import PressureLevel, PressureMonitor
+from gateway.admission.pressure import PressureLevel, PressureMonitor, pressure_signal_tier
 from shared.config import (
     AdmissionConfig,
     Config,

@@ -80,9 +80,11 @@ class ArrivalChecks:
         message: str,
         retry_after_s: float | None = None,
     ) -> NoReturn:
-        """Count a rejection of ``code`` in the tier and raise it, with ``Retry-After`` from the tier's drain time
-        unless ``retry_after_s`` is given."""
+        """Count a rejection of ``code`` in the tier (unless the ticket's owner counts it: ``Ticket.counts_shed``)
+        and raise it, with ``Retry-After`` from the tier's drain time unless ``retry_after_s`` is given."""
         ticket.state = TicketState.REJECTED
-        queue.num_rejected[code.value] += 1
+        ticket.shed_code = code
+        if ticket.counts_shed:
+            queue.num_rejected[code.value] += 1
         seconds = self._waits.tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
         raise SluiceError(code, message, retry_after_s=self._waits.clamp_retry_after(seconds))

@@ -1,13 +1,13 @@
 """Taking queued requests out of admission with a 503: deadlines, early rejection, pressure and draining.
 
-Every shed ticket leaves its queue, counts under its error code in its tier's ``rejected`` counters and fails its
-waiter with a :class:`~shared.errors.SluiceError` whose ``retry_after_s`` is clamped to
-[1, ``admission.max_retry_after_s``] (the table of causes is in ``gateway.admission.controller``).
+Every shed ticket leaves its queue, counts under its error code in its tier's ``rejected`` counters (unless its
+owner counts it once its client got the answer: ``Ticket.counts_shed``) and fails its waiter with a
+:class:`~shared.errors.SluiceError` whose ``retry_after_s`` is clamped to [1, ``admission.max_retry_after_s``] (the
+table of causes is in ``gateway.admission.controller``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +45,8 @@ class Shedder:
         self._clock = clock
 
     def shed(self, ticket: Ticket[Any], code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
-        """Take a queued ticket out of its queue and fail its waiter; a no-op when it is no longer queued.
+        """Take a queued ticket out of its queue, count it in its tier's rejections (unless its owner counts it:
+        ``Ticket.counts_shed``) and fail its waiter; a no-op when it is no longer queued.
 
         Args:
             retry_after_s: seconds for ``Retry-After`` before clamping; None = the drain time of its tier's queue.
@@ -54,7 +55,9 @@ class Shedder:
         if not queue.remove(ticket):
             return
         ticket.state = TicketState.REJECTED
-        queue.num_rejected[code.value] += 1
+        ticket.shed_code = code
+        if ticket.counts_shed:
+            queue.num_rejected[code.value] += 1
         seconds = self._waits.tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
         error = SluiceError(code, message, retry_after_s=self._waits.clamp_retry_after(seconds))
         if ticket._future is not None and not ticket._future.done():
@@ -85,21 +88,15 @@ class Shedder:
                 self.shed(ticket, code, message, retry_after_s)
 
     def count_rejected(self, tier: str, code: ErrorCode) -> None:
-        """Count a request of ``tier`` turned away with ``code`` before it reached a queue (the fleet's cold-start
-        check: ``gateway.fleet.scaling.ScalingLoop.check_cold_start``)."""
+        """Count a request of ``tier`` turned away with ``code`` that admission did not count itself: before it
+        reached a queue (the fleet's cold-start check: ``gateway.fleet.scaling.ScalingLoop.check_cold_start``), or
+        shed from a ticket whose owner counts its sheds (``Ticket.counts_shed``) once its client got the answer."""
         self._queues[tier].num_rejected[code.value] += 1
 
     def count_deferred(self, tier: str, code: ErrorCode) -> None:
-        """Count a request of ``tier`` shed with ``code`` whose client got an async job instead (202) as deferred,
-        not rejected (``/status`` ``deferred``, ``sluice_deferred_total``): the shed counted it as rejected."""
-        self.uncount_rejected(tier, code)
+        """Count a request of ``tier`` shed with ``code`` whose client got an async job instead (202) as deferred
+        (``/status`` ``deferred``, ``sluice_deferred_total``), not rejected: its owner counted no rejection for it."""
         self._queues[tier].num_deferred[code.value] += 1
-
-    def uncount_rejected(self, tier: str, code: ErrorCode) -> None:
-        """Take back the rejection a shed with ``code`` counted for ``tier``: no client got that 503 (a deferral,
-        or a job's request that its runner puts back in the job queue, counted there as requeued)."""
-        queue = self._queues[tier]
-        queue.num_rejected -= Counter({code.value: 1})  # a Counter keeps positive counts only
 
     def shed_at_worker(self, ticket: Ticket[Any], message: str) -> SluiceError:
         """Count a ``queue_timeout`` of a ticket the worker dropped unstarted at its start deadline, and return the

@@ -11,6 +11,7 @@ from typing import Generic
 
 from gateway.admission.capacity import ReservationT
 from shared.config import TierConfig
+from shared.errors import ErrorCode
 
 
 class TicketState(str, enum.Enum):
@@ -57,6 +58,11 @@ class Ticket(Generic[ReservationT]):
         decoding: set by the owner at the request's first token: its prompt is done on the worker.
         decoded_tokens: output tokens of this admission the owner has read so far (its progress, for the
             predicted end of its slot).
+        counts_shed: a shed of this ticket is counted in its tier's rejections at once (``/status`` ``rejected``,
+            ``sluice_rejected_total``); False: its owner counts it once it knows whether a client got the 429/503
+            (a request that may be deferred to a job, or a job's own request, which its runner puts back in the
+            job queue), so the counter never has to go back down.
+        shed_code: the code it was shed with (429/503), None while it was not.
     """
 
     ticket_id: int
@@ -82,6 +88,8 @@ class Ticket(Generic[ReservationT]):
     can_preempt: Callable[[], bool] | None = field(default=None, repr=False)
     decoding: bool = False
     decoded_tokens: int = 0
+    counts_shed: bool = True
+    shed_code: ErrorCode | None = None
     _future: asyncio.Future[ReservationT] | None = field(default=None, repr=False)
 
     @property

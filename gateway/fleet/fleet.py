@@ -219,14 +219,14 @@ class Fleet:
         a job through to such a pool: :class:`gateway.jobs.idle_capacity.FleetIdleCapacity`)."""
         return not runtime.has_ready_worker() and self.scaling.may_spawn(runtime)
 
-    def check_cold_start(self, runtime: PoolRuntime, tier: str) -> None:
+    def check_cold_start(self, runtime: PoolRuntime, tier: str, count_rejection: bool = True) -> None:
         """Before queueing for a pool with no ready worker: start one now; reject when it comes too late (see
         :meth:`ScalingLoop.check_cold_start`).
 
         Raises:
             SluiceError: 503 when the cold start cannot make the tier's deadline, or no worker can come.
         """
-        self.scaling.check_cold_start(runtime, tier)
+        self.scaling.check_cold_start(runtime, tier, count_rejection)
 
     @property
     def scale_events(self) -> Counter[tuple[str, str, str]]:

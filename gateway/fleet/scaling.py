@@ -116,7 +116,7 @@ class ScalingLoop:
         runtime.admission.shed_queued(ErrorCode.NO_WORKER, _no_local_worker_message(runtime),
                                       self._clamp_retry_after(1.0))
 
-    def check_cold_start(self, runtime: PoolRuntime, tier: str) -> None:
+    def check_cold_start(self, runtime: PoolRuntime, tier: str, count_rejection: bool = True) -> None:
         """Before queueing for a pool with no ready worker: start one now; reject when it comes too late.
 
         The worker is started even for a request that is rejected, so that its retry (``Retry-After`` = the cold
@@ -129,7 +129,8 @@ class ScalingLoop:
                 set; otherwise the request waits and its deadline sheds it); 503 ``no_worker_available`` when no
                 worker can come at all, naming why each of the pool's workers or upstreams takes no request
                 (:meth:`PoolRuntime.not_serving_reason`). Each is counted in the tier's rejections (``/status``,
-                ``sluice_rejected_total``), as admission counts its own.
+                ``sluice_rejected_total``), as admission counts its own, unless ``count_rejection`` is False (the
+                caller counts it once it knows whether a client got the 503: ``Ticket.counts_shed``).
         """
         if runtime.has_serving_worker():
             return
@@ -137,18 +138,18 @@ class ScalingLoop:
             if runtime.pool.clients:
                 # remote workers or upstreams, none serving (down, reconnecting, breaker open, not serving the
                 # model): admission has no capacity to queue on and would turn the request away without saying why
-                raise self._rejected(runtime, tier, SluiceError(
+                raise self._rejected(runtime, tier, count_rejection, SluiceError(
                     ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available: "
                     f"{runtime.not_serving_reason()}.",
                     retry_after_s=self._clamp_retry_after(runtime.pool.no_worker_retry_after_s())))
-            raise self._rejected(runtime, tier, SluiceError(
+            raise self._rejected(runtime, tier, count_rejection, SluiceError(
                 ErrorCode.NO_WORKER, _no_local_worker_message(runtime), retry_after_s=self._clamp_retry_after(1.0)))
         if runtime.has_ready_worker():
             return  # its breaker is open: admission decides
         observation = self._observe(runtime, extra_queued=1)
         wait_s = self.autoscaler.predicted_wait_s(observation)
         if wait_s is None:
-            raise self._rejected(runtime, tier, SluiceError(
+            raise self._rejected(runtime, tier, count_rejection, SluiceError(
                 ErrorCode.NO_WORKER, f"No worker of pool '{runtime.name}' is available.",
                 retry_after_s=self._clamp_retry_after(1.0)))
         self._enact(self.autoscaler.tick([observation]))  # start one now, even for a request rejected below
@@ -157,17 +158,17 @@ class ScalingLoop:
         admission = self.config.admission
         if (admission.enabled and admission.early_rejection and wait_s > deadline_s
                 and self.autoscaler.cold_start_known(runtime.name)):
-            raise self._rejected(runtime, tier, SluiceError(
+            raise self._rejected(runtime, tier, count_rejection, SluiceError(
                 ErrorCode.PREDICTED_QUEUE_TIMEOUT,
                 f"No worker of pool '{runtime.name}' is ready and starting one takes about {wait_s:.1f} s, past the "
                 f"'{tier}' tier's deadline ({deadline_s:g} s); retry when it is up.",
                 retry_after_s=self._clamp_retry_after(wait_s)))
 
     @staticmethod
-    def _rejected(runtime: PoolRuntime, tier: str, error: SluiceError) -> SluiceError:
-        """Count ``error`` in the tier's rejections (a deferral to a job takes it back: ``Shedder.count_deferred``)
-        and return it."""
-        runtime.admission.shedder.count_rejected(tier, error.code)
+    def _rejected(runtime: PoolRuntime, tier: str, count_rejection: bool, error: SluiceError) -> SluiceError:
+        """Count ``error`` in the tier's rejections when ``count_rejection`` is set, and return it."""
+        if count_rejection:
+            runtime.admission.shedder.count_rejected(tier, error.code)
         return error
 
     def _clamp_retry_after(self, seconds: float) -> int:

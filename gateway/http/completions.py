@@ -55,14 +55,15 @@ async def serve_completion(request: web.Request, kind: Kind) -> web.StreamRespon
     if plan.route.degraded:
         log_fields.update(degraded=True, requested_pool=plan.route.requested.name)
     metrics.request_started()
+    generation.counts_sheds = False  # a shed is a rejection only once no job was made of it (below)
     try:
         try:
             await pipeline.admit(plan)
         except SluiceError as exc:  # shed: an async job instead, where the tier or the client allows
             deferred = await defer_shed_request(request, kind, principal.tier, exc, stream=bool(body.stream))
+            generation.count_sheds(deferred=deferred is not None)
             if deferred is None:
                 raise
-            plan.route.runtime.admission.shedder.count_deferred(principal.tier.name, exc.code)
             return deferred
         log_fields["queue_ms"] = round(generation.queue_wait_s * 1000, 2)
         generation.start()

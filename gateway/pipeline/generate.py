@@ -34,7 +34,7 @@ from gateway.pipeline.tokenize import Tokenizer
 from gateway.upstream.request_body import UpstreamPrompt
 from gateway.workers.pool import WorkerPool
 from gateway.workers.reservation import Reservation
-from shared.errors import SluiceError
+from shared.errors import ErrorCode, SluiceError
 from shared.protocol import SamplingParams
 
 # What a choice's task puts into its request's event queue (n > 1): text, its end, or the failure that ends it.
@@ -77,6 +77,12 @@ class Generation:
         ignore_eos: forwarded (benchmarks).
         upstream_prompts: the client's messages or prompt, one per prompt, for an upstream worker
             (``gateway.upstream``); None = token ids only.
+
+    Attributes:
+        counts_sheds: admission counts a shed of this request's first admission in its tier's rejections at once
+            (the default); False: the request's owner counts it with :meth:`count_sheds` once it knows whether a
+            client got the 429/503 (an HTTP request that may be deferred to a job instead; a job's own request,
+            which its runner puts back in the job queue), so ``sluice_rejected_total`` never goes back down.
     """
 
     def __init__(self, *, request_id: str, prompts: list[list[int]], max_tokens: list[int], n: int,
@@ -101,6 +107,8 @@ class Generation:
         self._events: asyncio.Queue[ChoiceEvent] | None = None  # several choices only (start)
         self._tasks: list[asyncio.Task] = []
         self._num_finished = 0
+        self.counts_sheds = True
+        self._uncounted_sheds: list[ErrorCode] = []  # codes of sheds left to the owner (counts_sheds False)
         self._runner = ChoiceRunner(
             request_id=request_id, prompts=prompts, max_tokens=max_tokens, sampling=sampling,
             stop_strings=stop_strings, tier=self.tier, admission=admission, pool=pool, tokenizer=tokenizer,
@@ -126,6 +134,35 @@ class Generation:
         Raises:
             SluiceError: a choice was shed (429/503 with ``retry_after_s``); nothing stays queued or reserved.
         """
+        try:
+            await self._admit_choices()
+        except SluiceError:
+            self._uncounted_sheds += [c.ticket.shed_code for c in self.choices
+                                      if not c.ticket.counts_shed and c.ticket.shed_code is not None]
+            raise
+        for choice in self.choices:
+            self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
+
+    def note_shed(self, code: ErrorCode) -> None:
+        """Note a rejection of this request before admission (the fleet's cold-start check) that its owner counts
+        (:attr:`counts_sheds` False; with it True the check counted it)."""
+        if not self.counts_sheds:
+            self._uncounted_sheds.append(code)
+
+    def count_sheds(self, deferred: bool = False) -> None:
+        """Count the sheds of this request that admission left to its owner (:attr:`counts_sheds` False): in its
+        tier's rejections when its client got the 429/503, or once as deferred (``sluice_deferred_total``) when it
+        got an async job instead. A job's own request that its runner puts back in the job queue is not counted:
+        its owner does not call this."""
+        codes, self._uncounted_sheds = self._uncounted_sheds, []
+        shedder = self.admission.shedder
+        if deferred and codes:
+            shedder.count_deferred(self.tier, codes[0])
+            return
+        for code in codes:
+            shedder.count_rejected(self.tier, code)
+
+    async def _admit_choices(self) -> None:
         group = self.request_id if len(self.prompts) * self.n > 1 else None  # choices reserved together
         for prompt_index, prompt_ids in enumerate(self.prompts):
             for j in range(self.n):
@@ -136,13 +173,12 @@ class Generation:
                     choice.ticket = self.admission.make_ticket_for(self.principal, prompt_ids, max_tokens, group)
                 else:
                     choice.ticket = self.admission.make_ticket(self.tier, prompt_ids, max_tokens, group=group)
+                choice.ticket.counts_shed = self.counts_sheds
                 self.choices.append(choice)
         if len(self.choices) == 1:
             await self.admission.admit(self.choices[0].ticket)
         else:
             await self._admit_together([c.ticket for c in self.choices])
-        for choice in self.choices:
-            self.metrics.queue_time.labels(self.tier).observe(choice.ticket.queue_wait_s)
 
     async def _admit_together(self, tickets: list[Ticket[Reservation]]) -> None:
         tasks = [asyncio.create_task(self.admission.admit(t), name=f"admit-{self.request_id}") for t in tickets]

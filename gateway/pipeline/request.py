@@ -231,8 +231,12 @@ class RequestPipeline:
         """
         generation = plan.generation
         self._check_sequences_fit(plan.route.runtime, plan.principal.tier.name, len(generation.prompts), generation.n)
-        self.fleet.check_cold_start(plan.route.runtime, plan.principal.tier.name)
-        await plan.generation.admit()
+        try:
+            self.fleet.check_cold_start(plan.route.runtime, plan.principal.tier.name, generation.counts_sheds)
+        except SluiceError as exc:
+            generation.note_shed(exc.code)
+            raise
+        await generation.admit()
 
     def _check_sequences_fit(self, runtime: PoolRuntime, tier: str, num_prompts: int, n: int) -> None:
         """Refuse a request whose choices (``num_prompts`` × ``n``) outnumber the sequence slots ``runtime``'s pool
@@ -341,12 +345,13 @@ class RequestPipeline:
         body = self.parse(kind, raw_body)
         prompt_ids = await self.tokenize(kind, body)
         plan = self.plan(kind, body, principal, prompt_ids, request_id, arrival_s)
+        plan.generation.counts_sheds = False
         try:
             try:
                 await self.admit(plan)
-            except SluiceError as exc:  # shed: the job runner requeues the job, no client gets this 503
-                if exc.status >= 500:
-                    plan.route.runtime.admission.shedder.uncount_rejected(principal.tier.name, exc.code)
+            except SluiceError as exc:  # shed: a 503 goes back to the job queue (no client gets it), a 429 counts
+                if exc.status < 500:
+                    plan.generation.count_sheds()
                 raise
             if on_admitted is not None:
                 on_admitted()

@@ -664,6 +664,49 @@ async def test_draining_sheds_queued_and_refuses_new_requests():
     assert pool.reserved == []
 
 
+async def test_a_shed_its_owner_counts_is_not_counted_by_admission_so_the_rejected_counter_never_goes_down():
+    """sluice_rejected_total is a Prometheus counter: a shed that was counted and then taken back (its request was
+    deferred to a job, or was a job's own and went back to the job queue) read to a scrape in between as a counter
+    reset, and rate() over it as a burst of rejections. A ticket whose owner counts its sheds
+    (``counts_shed = False``) leaves the count to the owner, at arrival (queue full) and in the queue (deadline)."""
+    pool = FakePool(max_num_seqs=1)
+    clock = FakeClock()
+    controller = make_controller(pool, config=make_config(tiers(free=dict(queue_capacity=1))), clock=clock)
+
+    def rejected() -> dict[str, int]:
+        return controller.stats().tiers["free"].rejected
+
+    running = controller.make_ticket("free", prompt(8), 8)
+    await controller.admit(running)
+    queued = controller.make_ticket("free", prompt(8), 8)
+    queued.counts_shed = False
+    waiting = queued_task(controller, queued)
+    await settle()
+    refused = controller.make_ticket("free", prompt(8), 8)
+    refused.counts_shed = False
+    with pytest.raises(SluiceError) as info:
+        await controller.admit(refused)
+    assert info.value.code is ErrorCode.QUEUE_FULL and refused.shed_code is ErrorCode.QUEUE_FULL
+    assert rejected() == {}
+    clock.advance(60.0)  # past the free tier's deadline
+    controller.on_capacity_changed()
+    with pytest.raises(SluiceError) as info:
+        await waiting
+    assert info.value.code is ErrorCode.QUEUE_TIMEOUT and queued.shed_code is ErrorCode.QUEUE_TIMEOUT
+    assert rejected() == {}
+    controller.shedder.count_rejected("free", refused.shed_code)  # the owner answered that one with its 503
+    controller.shedder.count_deferred("free", queued.shed_code)  # and made a job of the other
+    assert rejected() == {"queue_full": 1}
+    assert controller.stats().tiers["free"].deferred == {"queue_timeout": 1}
+    filler = queued_task(controller, controller.make_ticket("free", prompt(8), 8))
+    await settle()
+    with pytest.raises(SluiceError):  # the default: admission counts the shed itself
+        await controller.admit(controller.make_ticket("free", prompt(8), 8))
+    assert rejected() == {"queue_full": 2}
+    controller.release(running)
+    await filler
+
+
 # ---------------------------------------------------------------------------------------------------- cancellation
 
 

@@ -33,7 +33,8 @@ MIN_SEED = -(2**63)
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=-1)]
+MAX_TOP_K = 2**31 - 1  # past any vocabulary (a top_k at least the vocabulary keeps every token), within msgpack's ints
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=MAX_TOP_K)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
 MAX_CHAT_TOP_LOGPROBS = 20

@@ -239,10 +239,11 @@ class WorkerClient:
         """
         if self._writer is None or self.hello is None:
             raise SluiceError(ErrorCode.WORKER_FAILED, f"worker {self.name} is not connected")
+        frame = self._codec.encode(message)  # first: a message that cannot be encoded leaves no stream behind
         stream = RequestStream(message.request_id, self)
         stream.reservation = reservation
         self._streams[message.request_id] = stream
-        self._send(self._codec.encode(message))
+        self._send(frame)
         return stream
 
     def not_ready_reason(self) -> str | None:

@@ -56,6 +56,9 @@ def test_bc22_non_object_body_is_400(raw):
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
      "presence_penalty"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999999}', "seed"),
+    # README trial 14: a top_k past msgpack's ints was a 500 (the Generate frame could not be encoded)
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": 18446744073709551616}', "top_k"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": -2}', "top_k"),
 ])
 def test_bc23_bad_fields_are_400_naming_the_field(body, param):
     error = _chat_error(body)

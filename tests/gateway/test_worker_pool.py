@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 
 from gateway.admission.controller import AdmissionController
 from gateway.fleet.pools import ElasticWorkerPool
@@ -278,3 +279,17 @@ def test_no_worker_retry_after_is_the_soonest_probe_of_an_open_breaker():
     assert pool.total_kv_blocks() == 0 and pool.no_worker_retry_after_s() == 7.0  # a's probe comes first
     now_s[0] += 6.5
     assert pool.no_worker_retry_after_s() == 1.0  # half a second left: a reconnect's 1 s at least
+
+
+def test_a_generate_that_cannot_be_encoded_leaves_no_stream_on_its_worker():
+    """README trial 14: a top_k past msgpack's ints failed the frame's encoding after its stream was registered; the
+    stream stayed in the worker's in-flight count for good (its pool never scaled down, a drain would wait on it)."""
+    worker = client("a")
+    message = Generate(request_id="r1", prompt_token_ids=prompt(8), sampling=SamplingParams(top_k=2**64),
+                       max_tokens=4)
+    with pytest.raises(OverflowError):
+        worker.start_request(message)
+    assert worker.num_in_flight == 0 and worker._writer.frames == []
+    worker.start_request(Generate(request_id="r2", prompt_token_ids=prompt(8), sampling=SamplingParams(),
+                                  max_tokens=4))
+    assert worker.num_in_flight == 1

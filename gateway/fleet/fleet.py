@@ -10,9 +10,9 @@ admission per pool, and degrade routing to a lighter pool.
     Fleet
       autoscale loop: every autoscale.interval_s (and at once when a request finds no worker)
           observe each pool → Autoscaler.tick → spawn `sluice worker` | drain one, stop it once empty
-      registry task:  RegistryWatcher.events() → join: connect, add to the pool serving its model
-                                                 leave: remove from the pool, close (requests not yet streaming
-                                                 are retried on another worker by gateway.pipeline.choice)
+      registry task:  RegistryWatcher.events() → RegistryMembers: join → connect, add to the pool serving its
+                                                 model; leave → route nothing new to it, close it once its
+                                                 requests have ended (gateway.fleet.registry_members)
 
 Each pool has its own :class:`~gateway.admission.controller.AdmissionController` over its own workers, so capacity,
 queues, predicted waits and pressure are per pool and model, in KV blocks from that pool's workers' reports: an idle
@@ -45,7 +45,8 @@ from gateway.admission.ratelimit import RateLimiter, TokenBucketRateLimiter
 from gateway.fleet.autoscaler import Autoscaler, WorkerSecondsMeter
 from gateway.fleet.local_processes import LocalProcesses
 from gateway.fleet.pools import ElasticWorkerPool, LocalWorker, PoolRuntime, Route
-from gateway.fleet.registry_watch import RegistryEventKind, RegistryWatcher
+from gateway.fleet.registry_members import RegistryMembers
+from gateway.fleet.registry_watch import RegistryWatcher
 from gateway.fleet.reporting import FleetCollector, FleetReport
 from gateway.fleet.scaling import ScalingLoop
 from gateway.fleet.spawn import WorkerSpawner, preload_modules
@@ -120,6 +121,7 @@ class Fleet:
         self.degraded: Counter[tuple[str, str]] = Counter()  # (tier, pool that answered)
         self._registry_task: asyncio.Task | None = None
         self._watcher: RegistryWatcher | None = None
+        self._members = RegistryMembers(self.runtimes, self._add_remote, self.model_names, clock)
         self.report = FleetReport(config, self.runtimes, self.default, self.autoscaler, self.meter,
                                   self.scaling.scale_events, self.degraded, clock)
         metrics.registry.register(FleetCollector(self.report, self.degraded))
@@ -143,7 +145,8 @@ class Fleet:
         admission = AdmissionController(self.config, pool, pressure=capper.pressure_monitor, limiter=self.limiter,
                                         clock=self._clock)
         pool.on_change = admission.on_capacity_changed
-        runtime = PoolRuntime(pool_config, pool, admission, capper)
+        runtime = PoolRuntime(pool_config, pool, admission, capper,
+                              watches_registry=bool(self.config.registry.redis_url))
         admission.on_arrival = lambda: self.scaling.on_arrival(runtime)
         holder.append(runtime)
         if pool_config.backend == "openai":
@@ -177,6 +180,7 @@ class Fleet:
             self._registry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._registry_task
+        await self._members.close()
         await self.local.close(list(self.runtimes.values()))
         for runtime in self.runtimes.values():
             runtime.pool.on_change = None
@@ -312,23 +316,7 @@ class Fleet:
 
     async def _watch_registry(self) -> None:
         async for event in self._watcher.events():
-            worker = event.worker
-            name = f"registry-{worker.worker_id}"
-            if event.kind is RegistryEventKind.JOIN:
-                runtime = next((r for r in self.runtimes.values() if r.config.model_name == worker.hello.model_id),
-                               None)
-                if runtime is None:
-                    log.warning("registry_worker_unknown_model", worker_id=worker.worker_id,
-                                model=worker.hello.model_id, served=self.model_names())
-                    continue
-                self._add_remote(runtime, name, worker.address).start()
-                runtime.last_kv_blocks = runtime.last_kv_blocks or worker.hello.num_kv_blocks
-            else:
-                for runtime in self.runtimes.values():
-                    entry = runtime.remote.pop(name, None)
-                    if entry is not None:
-                        runtime.pool.remove_client(entry[0])
-                        await entry[0].close()  # requests not yet streaming there are retried elsewhere
+            await self._members.apply(event)
             self.kick()
 
     def is_ready(self) -> bool:

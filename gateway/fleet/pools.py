@@ -137,6 +137,7 @@ class PoolRuntime:
         service_rate_per_worker_tokens_per_s: the last known expected work tokens/s one worker drains (admission's
             measure), kept through a scale to zero; 0.0 = never measured.
         arrival_checked_at_s: when an arrival last looked at the offered load (``ScalingLoop.on_arrival``), monotonic s.
+        watches_registry: workers may join the pool from the Redis worker registry (``[registry] redis_url``).
     """
 
     config: PoolConfig
@@ -154,6 +155,7 @@ class PoolRuntime:
     starts_by_index: Counter[int] = field(default_factory=Counter)
     service_rate_per_worker_tokens_per_s: float = 0.0
     arrival_checked_at_s: float = -math.inf
+    watches_registry: bool = False
 
     @property
     def name(self) -> str:
@@ -181,7 +183,13 @@ class PoolRuntime:
             reasons.append(f"its local workers are not started: {self.config_error}")
         reasons += [f"local worker {lw.client.name} starting (loading the model, not listening yet)"
                     for lw in self.local.values() if lw.client not in self.pool.clients]
-        return "; ".join(reasons) if reasons else "no worker configured"
+        return "; ".join(reasons) if reasons else self.no_worker_words()
+
+    def no_worker_words(self) -> str:
+        """Why the pool has no worker at all: none configured, or (with a registry) none registered yet."""
+        if self.watches_registry:
+            return "no worker has registered in the worker registry ([registry] redis_url) yet"
+        return "no worker configured"
 
 
 @dataclass(frozen=True)

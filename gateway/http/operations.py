@@ -79,7 +79,7 @@ async def readyz(request: web.Request) -> web.Response:
         reasons += [f"local worker {lw.client.name} starting (loading the model, not listening yet)"
                     for runtime in fleet.runtimes.values() for lw in runtime.local.values()
                     if lw.client not in runtime.pool.clients]
-        why = "; ".join(reasons) if reasons else "no worker configured"
+        why = "; ".join(reasons) if reasons else fleet.default.no_worker_words()
         raise SluiceError(ErrorCode.NO_WORKER, f"no worker is ready: {why}", retry_after_s=1)
     body = {"status": "ready", "ready_workers": ready, "workers": len(clients)}
     config_errors = fleet.config_errors()

@@ -197,8 +197,9 @@ class UpstreamClient(WorkerClient):
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
             self._task = asyncio.create_task(self._poll_loop(), name=f"upstream-poll-{self.name}")
 
-    async def close(self) -> None:
-        """Stop polling, cancel every request (each fails with ``worker_failed``) and close the session."""
+    async def close(self, reason: str = "gateway shutting down") -> None:
+        """Stop polling, cancel every request (each fails with ``worker_failed`` naming ``reason``) and close the
+        session."""
         self._closing = True
         tasks = [t for t in (self._task, *self._requests.values()) if t is not None]
         for task in tasks:
@@ -206,7 +207,7 @@ class UpstreamClient(WorkerClient):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
         for stream in list(self._streams.values()):
-            stream._fail(SluiceError(ErrorCode.WORKER_FAILED, f"upstream {self.name}: gateway shutting down"))
+            stream._fail(SluiceError(ErrorCode.WORKER_FAILED, f"upstream {self.name}: {reason}"))
         self._streams.clear()
         if self._session is not None:
             await self._session.close()

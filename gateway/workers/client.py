@@ -210,8 +210,8 @@ class WorkerClient:
         client does not reconnect to it."""
         self._closing = True
 
-    async def close(self) -> None:
-        """Close the connection and stop reconnecting; requests in flight fail."""
+    async def close(self, reason: str = "gateway shutting down") -> None:
+        """Close the connection and stop reconnecting; requests in flight fail with ``reason`` (also logged)."""
         self._closing = True
         if self._task is not None:
             self._task.cancel()
@@ -220,7 +220,7 @@ class WorkerClient:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        self._disconnect("gateway shutting down")
+        self._disconnect(reason)
 
     # ------------------------------------------------------------------ requests
 
@@ -262,6 +262,12 @@ class WorkerClient:
     def mark_draining(self) -> None:
         """Send no new request to this worker from now on (``ready`` turns False); the running ones go on."""
         self.draining = True
+        self._changed()
+
+    def resume_routing(self) -> None:
+        """Undo :meth:`mark_draining`: the worker takes new requests again once ready (a registry worker that left
+        and came back while its requests still ran: ``gateway.fleet.registry_members``)."""
+        self.draining = False
         self._changed()
 
     def send_drain(self) -> None:

@@ -59,11 +59,12 @@ class Gateway(SluiceProcess):
 class Worker(SluiceProcess):
     """A ``sluice worker --registry`` process (sim backend) on a free loopback port."""
 
-    def __init__(self, prefix: str, worker_id: str, time_scale: float, max_num_seqs: int = 2) -> None:
+    def __init__(self, prefix: str, worker_id: str, time_scale: float, max_num_seqs: int = 2,
+                 heartbeat_interval_s: float = 0.2) -> None:
         super().__init__(
             f'[worker]\nbackend = "sim"\nmax_num_seqs = {max_num_seqs}\n[sim]\ntime_scale = {time_scale}\n'
-            f'kv_cache_gib = 1.0\n[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = 0.2\n'
-            'heartbeat_ttl_s = 1.0\n', command="worker", ready="none",
+            f'kv_cache_gib = 1.0\n[registry]\nkey_prefix = "{prefix}"\nheartbeat_interval_s = {heartbeat_interval_s}\n'
+            f'heartbeat_ttl_s = {max(1.0, 3 * heartbeat_interval_s)}\n', command="worker", ready="none",
             args=["--registry", REDIS_URL, "--worker-id", worker_id])
         self.worker_id = worker_id
 

@@ -199,6 +199,19 @@ def test_a_malformed_multipart_upload_is_400_not_a_500(server, content_type):
     assert "multipart" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("name", ["données.jsonl", "résumé 🙂.jsonl", "plain.jsonl"])
+def test_a_utf8_filename_comes_back_as_it_was_sent(server, name):
+    """README trial 14: curl and browsers send a part's filename as raw UTF-8; it was stored read as Latin-1
+    ("données.jsonl" came back "donnÃ©es.jsonl", an emoji lost)."""
+    body = (f'--zzz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--zzz\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            f'Content-Type: application/octet-stream\r\n\r\n').encode() + batch_lines(1) + b"\r\n--zzz--\r\n"
+    status, uploaded = _post_raw(server, "/v1/files", body, "multipart/form-data; boundary=zzz")
+    assert status == 200 and uploaded["filename"] == name, uploaded
+    assert _client(server).files.retrieve(uploaded["id"]).filename == name
+    assert _client(server).files.create(file=(name, batch_lines(1)), purpose="batch").filename == name  # the SDK
+
+
 def test_a_batch_field_of_the_wrong_type_is_invalid_type_naming_it(server):
     body = {"input_file_id": 5, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     status, answer = _post_raw(server, "/v1/batches", json.dumps(body).encode(), "application/json")

@@ -170,7 +170,7 @@ async def _read_upload(request: web.Request, max_file_bytes: int) -> tuple[dict[
     filename = "upload.jsonl"
     while (part := await reader.next()) is not None:
         if part.name == "file":
-            filename = _utf8_filename(part.filename) or filename
+            filename = part.filename or filename
             chunks: list[bytes] = []
             size = 0
             while chunk := await part.read_chunk(READ_CHUNK_BYTES):
@@ -183,19 +183,6 @@ async def _read_upload(request: web.Request, max_file_bytes: int) -> tuple[dict[
         elif part.name:
             fields[part.name] = (await part.read(decode=True)).decode("utf-8", errors="replace")
     return fields, content, filename
-
-
-def _utf8_filename(name: str | None) -> str | None:
-    """Return an upload's filename as its client wrote it. A name sent as raw UTF-8 in the part's
-    ``Content-Disposition`` (curl, browsers) reads as Latin-1 to aiohttp's multipart reader (``données`` became
-    ``donnÃ©es``): its Latin-1 bytes are decoded again as UTF-8 when they are UTF-8. A name that is not (RFC 5987's
-    ``filename*=utf-8''…``, which the OpenAI SDK sends, arrives decoded; true Latin-1 bytes) is kept as it is."""
-    if name is None:
-        return None
-    try:
-        return name.encode("latin-1").decode("utf-8")
-    except (UnicodeEncodeError, UnicodeDecodeError):
-        return name
 
 
 async def upload_file(request: web.Request) -> web.Response:

@@ -201,8 +201,9 @@ def test_a_malformed_multipart_upload_is_400_not_a_500(server, content_type):
 
 @pytest.mark.parametrize("name", ["données.jsonl", "résumé 🙂.jsonl", "plain.jsonl"])
 def test_a_utf8_filename_comes_back_as_it_was_sent(server, name):
-    """README trial 14: curl and browsers send a part's filename as raw UTF-8; it was stored read as Latin-1
-    ("données.jsonl" came back "donnÃ©es.jsonl", an emoji lost)."""
+    """curl and browsers send a part's filename as raw UTF-8, the OpenAI SDK as RFC 5987's ``filename*``: both are
+    stored and listed as sent (README trial 14 read "donnÃ©es.jsonl" back: its client's decoding of the UTF-8 answer
+    as Latin-1; the name here, read as bytes and decoded as UTF-8, is whole)."""
     body = (f'--zzz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
             f'--zzz\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
             f'Content-Type: application/octet-stream\r\n\r\n').encode() + batch_lines(1) + b"\r\n--zzz--\r\n"

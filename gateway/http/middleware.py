@@ -82,6 +82,19 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> web.Response:
     return web.json_response(envelope, status=exc.status, headers=headers)
 
 
+def _unreadable_body(request: web.Request, exc: Exception) -> SluiceError:
+    """Return the 400 of a body aiohttp could not read: one that does not decode as its ``Content-Encoding`` says
+    (gzip, deflate, br and zstd are read), else the parser's own words (a multipart header line too long …)."""
+    encoding = request.headers.get("Content-Encoding")
+    if encoding:
+        return SluiceError(ErrorCode.INVALID_REQUEST, f"The request body could not be decoded as its Content-Encoding "
+                           f"({encoding!r}) says; send it uncompressed, or compressed as that header says (gzip, "
+                           "deflate, br and zstd are read)")
+    cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ is not None else exc
+    reason = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
+    return SluiceError(ErrorCode.INVALID_REQUEST, f"The request body could not be read: {reason.strip()}")
+
+
 def _endpoint(request: web.Request) -> str:
     """Return the route's canonical path (a bounded label set), or "unmatched"."""
     resource = request.match_info.route.resource
@@ -110,7 +123,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         except web.HTTPException as exc:
             response = _http_error(exc, request)
         except (web.RequestPayloadError, HttpProcessingError) as exc:  # a body its Content-Encoding cannot decode
-            error = SluiceError(ErrorCode.INVALID_REQUEST, f"The request body could not be read: {exc}")
+            error = _unreadable_body(request, exc)
             request[REQUEST_LOG].setdefault("error_code", error.code.value)
             response = _json_error(error)
         except asyncio.CancelledError:

@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="NAME:PRIORITY:PERCENT,…",
                         help="tiers conversations are hashed into; percents sum to 100 (default %(default)s)")
     parser.add_argument("--max-requests", type=POSITIVE_INT, default=None, metavar="N",
-                        help="replay only the first N requests (≥ 1; default all)")
+                        help="read only the first N requests of the trace (≥ 1; default all); those left with no "
+                        "full block once the shared first block is dropped are not replayed, so the count printed "
+                        "may be lower")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON here")
     parser.add_argument("--plot", dest="plot_out", default=None, metavar="OUT", help="write a PNG plot here")
     return parser

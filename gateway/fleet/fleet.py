@@ -124,6 +124,7 @@ class Fleet:
         self._members = RegistryMembers(self.runtimes, self._add_remote, self.model_names, clock)
         self.report = FleetReport(config, self.runtimes, self.default, self.autoscaler, self.meter,
                                   self.scaling.scale_events, self.degraded, clock)
+        self.report.registry_health = lambda: None if self._watcher is None else self._watcher.health()
         metrics.registry.register(FleetCollector(self.report, self.degraded))
 
     @staticmethod

@@ -20,6 +20,7 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import structlog
@@ -116,6 +117,7 @@ class RegistryWatcher:
         self.known: dict[str, RegisteredWorker] = {}
         self.num_errors = 0
         self._failing = False
+        self._scanned = False  # a scan has succeeded once
 
     @classmethod
     def from_config(cls, config: RegistryConfig) -> RegistryWatcher:
@@ -142,6 +144,7 @@ class RegistryWatcher:
             self._failing = True
             return []
         self._failing = False
+        self._scanned = True
         for event in events:
             if event.kind is RegistryEventKind.JOIN:
                 self.known[event.worker.worker_id] = event.worker
@@ -150,6 +153,12 @@ class RegistryWatcher:
             log.info("registry_" + event.kind.value, worker_id=event.worker.worker_id, address=event.worker.address,
                      model=event.worker.hello.model_id, reason=event.reason or None)
         return events
+
+    def health(self) -> dict[str, Any]:
+        """Return ``{"reachable", "errors", "known_workers"}`` for ``/status`` and metrics: whether the last scan
+        read the registry (False before the first one succeeds), failed scans so far, live workers known."""
+        return {"reachable": self._scanned and not self._failing, "errors": self.num_errors,
+                "known_workers": len(self.known)}
 
     async def events(self) -> AsyncIterator[RegistryEvent]:
         """Yield joins and leaves forever: a scan every ``poll_interval_s``, or sooner on a pubsub hint.

@@ -38,6 +38,8 @@ class FleetReport:
         self._scale_events = scale_events
         self.degraded = degraded
         self._clock = clock
+        # the registry watcher's health (``RegistryWatcher.health``), None without a registry; set by the fleet
+        self.registry_health: Callable[[], dict[str, Any] | None] = lambda: None
 
     def worker_status(self) -> list[WorkerStatus]:
         """Return every worker of every pool (``WorkerPool.status`` entries with ``pool``, ``local``, ``state``)."""
@@ -102,6 +104,7 @@ class FleetReport:
             }
         return {
             "autoscale_enabled": self._config.autoscale.enabled,
+            "registry": self.registry_health(),
             "pools": pools,
             "scale_events": [
                 {"pool": pool, "action": action, "reason": reason, "count": count}
@@ -120,8 +123,8 @@ class FleetCollector:
 
     ``sluice_pool_workers{pool,state}``, ``sluice_pool_worker_seconds_total{pool}``, ``sluice_pool_cost_total{pool}``,
     ``sluice_pool_cold_start_estimate_seconds{pool}``, ``sluice_scale_events_total{pool,action,reason}``,
-    ``sluice_degraded_requests_total{tier,pool}``. (``sluice_worker_cold_start_seconds{pool}`` is a histogram
-    observed live.)
+    ``sluice_degraded_requests_total{tier,pool}``; with a worker registry, ``sluice_registry_reachable`` and
+    ``sluice_registry_errors_total``. (``sluice_worker_cold_start_seconds{pool}`` is a histogram observed live.)
     """
 
     def __init__(self, report: FleetReport, degraded: Counter[tuple[str, str]]) -> None:
@@ -153,3 +156,10 @@ class FleetCollector:
         for (tier, pool), count in sorted(self._degraded.items()):
             degraded.add_metric([tier, pool], count)
         yield from (workers, seconds, cost, cold, events, degraded)
+        registry = snapshot["registry"]
+        if registry is not None:
+            yield GaugeMetricFamily("sluice_registry_reachable", "1 when the last scan of the worker registry read "
+                                    "Redis, else 0 (known workers are kept meanwhile)",
+                                    value=int(registry["reachable"]))
+            yield CounterMetricFamily("sluice_registry_errors", "Scans of the worker registry that failed",
+                                      value=registry["errors"])

@@ -130,12 +130,16 @@ async def test_unreachable_redis_keeps_known_workers(prefix):
     watcher = RegistryWatcher.from_config(config(prefix))
     registration = WorkerRegistration.from_url(REDIS_URL, hello("a"), "127.0.0.1:9001", config(prefix))
     await registration.start()
+    assert watcher.health() == {"reachable": False, "errors": 0, "known_workers": 0}  # no scan yet
     assert len(await watcher.poll_once()) == 1
+    assert watcher.health() == {"reachable": True, "errors": 0, "known_workers": 1}
     port = free_port()  # nothing listens there
     broken = RegistryWatcher.from_config(config(prefix, redis_url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2))
     broken.known.update(watcher.known)
     assert await broken.poll_once() == []
     assert sorted(broken.known) == ["a"] and broken.num_errors == 1
+    # README trial 15: nothing but a log line told that the registry was away (/status, sluice_registry_reachable)
+    assert broken.health() == {"reachable": False, "errors": 1, "known_workers": 1}
     await registration.close()
     await broken.close()
     await watcher.close()

@@ -9,6 +9,7 @@ requests it runs, and one that comes back under the same incarnation keeps its c
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import aiohttp
 import msgspec
@@ -38,6 +39,7 @@ max_workers = 0
     # the worker writes its entry every 1.5 s, the gateway scans every 0.1 s: it sees the registry empty
     with Gateway(config) as gw, Worker(redis_prefix, "w", time_scale=SIM_TIME_SCALE, heartbeat_interval_s=1.5):
         wait_for(lambda: gw.pool("remote")["workers"]["ready"] == 1, START_TIMEOUT_S, "the worker to register")
+        assert gw.status()["fleet"]["registry"] == {"reachable": True, "errors": 0, "known_workers": 1}
 
         async def scenario():
             async with aiohttp.ClientSession() as session:
@@ -63,6 +65,8 @@ max_workers = 0
         worker = gw.status()["workers"][0]
         assert worker["ready"] and worker["connections"] == 1  # the connection it had, never closed
         assert not gw.log_events("worker_disconnected")
+        metrics = urllib.request.urlopen(gw.base_url + "/metrics", timeout=10).read().decode()
+        assert "sluice_registry_reachable 1.0" in metrics and "sluice_registry_errors_total 0.0" in metrics
 
 
 def test_before_any_worker_registers_the_pools_say_so_not_that_none_is_configured():

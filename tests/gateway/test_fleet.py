@@ -311,20 +311,25 @@ env = {{ XDG_CACHE_HOME = "{tmp_path}" }}  # a first start on this machine: the 
         assert ("up", "queued_without_worker") in reasons and ("down", "idle") in reasons
 
 
-def test_registered_worker_is_used_and_a_killed_ones_unstarted_requests_succeed_elsewhere(redis_prefix):
-    config = TIERS + f"""
+def remote_pool_config(prefix: str, poll_interval_s: float) -> str:
+    """The config of a gateway whose only pool, ``remote``, is served by workers of the registry under ``prefix``."""
+    return TIERS + f"""
 [registry]
 redis_url = "{REDIS_URL}"
-key_prefix = "{redis_prefix}"
+key_prefix = "{prefix}"
 heartbeat_interval_s = 0.2
 heartbeat_ttl_s = 1.0
-poll_interval_s = 0.2
+poll_interval_s = {poll_interval_s}
 
 [[pools]]
 name = "remote"
 min_workers = 0
 max_workers = 0
 """
+
+
+def test_registered_worker_is_used_and_a_killed_ones_unstarted_requests_succeed_elsewhere(redis_prefix):
+    config = remote_pool_config(redis_prefix, poll_interval_s=0.2)
     # worker A is a very slow simulated GPU: its first step takes ~14 s, so its requests have no token for long
     with Gateway(config) as gw, Worker(redis_prefix, "slow-a", time_scale=2000) as slow:
         wait_for(lambda: gw.pool("remote")["workers"]["ready"] == 1, START_TIMEOUT_S, "worker A to register")

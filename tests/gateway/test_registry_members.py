@@ -18,24 +18,15 @@ import redis
 from gateway.fleet.fleet import Fleet
 from gateway.metrics import Metrics
 from shared.config import Config
-from tests.gateway.test_fleet import REDIS_URL, SIM_TIME_SCALE, START_TIMEOUT_S, TIERS, Gateway, Worker, chat
+from tests.gateway.test_fleet import REDIS_URL, SIM_TIME_SCALE, START_TIMEOUT_S, Gateway, Worker, chat, \
+    remote_pool_config
 from tests.support.server import wait_for
 
 OUTPUT_TOKENS = 60  # about 4 s of decode at SIM_TIME_SCALE: the stream spans the registry's empty spell
 
 
 def test_a_registry_that_comes_back_empty_cuts_no_request_and_keeps_the_workers_connection(redis_prefix):
-    config = TIERS + f"""
-[registry]
-redis_url = "{REDIS_URL}"
-key_prefix = "{redis_prefix}"
-poll_interval_s = 0.1
-
-[[pools]]
-name = "remote"
-min_workers = 0
-max_workers = 0
-"""
+    config = remote_pool_config(redis_prefix, poll_interval_s=0.1)
     # the worker writes its entry every 1.5 s, the gateway scans every 0.1 s: it sees the registry empty
     with Gateway(config) as gw, Worker(redis_prefix, "w", time_scale=SIM_TIME_SCALE, heartbeat_interval_s=1.5):
         wait_for(lambda: gw.pool("remote")["workers"]["ready"] == 1, START_TIMEOUT_S, "the worker to register")

@@ -48,10 +48,12 @@ class _Schema(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
 
 
 class ContentPart(_Schema, kw_only=True):
-    """One part of a message's content list; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content list: ``{"type": "text", "text": ...}``, or in an assistant message
+    ``{"type": "refusal", "refusal": ...}`` (what the model said when it declined, taken as its text)."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(_Schema, kw_only=True):
@@ -60,9 +62,11 @@ class ChatMessage(_Schema, kw_only=True):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # read for its type only: chat templates take role and content
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None  # rejected when non-empty (check_unsupported)
     function_call: Any = None
+    audio: Any = None  # an earlier assistant turn given as audio: rejected (message_text)
 
 
 class StreamOptions(_Schema, kw_only=True):
@@ -231,12 +235,16 @@ def message_text(message: ChatMessage, index: int) -> str:
     """Return the text of a chat message; content parts are joined with newlines (as vLLM does).
 
     Raises:
-        SluiceError: missing content on a non-assistant message, a tool message without ``tool_call_id``, or a
-            non-text content part.
+        SluiceError: missing content on a non-assistant message, a tool message without ``tool_call_id``, an
+            assistant turn given as ``audio`` (it would reach the model empty), or a content part that is not text
+            (a ``refusal`` part counts as text in an assistant message).
     """
     if message.role == "tool" and not message.tool_call_id:
         raise SluiceError(ErrorCode.MISSING_FIELD, f"messages[{index}].tool_call_id is required for role 'tool'",
                           param=f"messages[{index}].tool_call_id")
+    if message.audio is not None:
+        raise _invalid("an assistant turn given as audio is not supported (this model reads text only, so the turn "
+                       "would reach it empty); send its transcript as content", f"messages[{index}].audio")
     content = message.content
     if content is None:
         if message.role == "assistant":
@@ -248,8 +256,15 @@ def message_text(message: ChatMessage, index: int) -> str:
     texts = []
     for part_index, part in enumerate(content):
         param = f"messages[{index}].content[{part_index}]"
+        if part.type == "refusal" and message.role == "assistant":
+            if part.refusal is None:
+                raise SluiceError(ErrorCode.MISSING_FIELD, "a refusal content part needs 'refusal'",
+                                  param + ".refusal")
+            texts.append(part.refusal)
+            continue
         if part.type != "text":
-            raise _invalid(f"content part type {part.type!r} is not supported (only 'text')", param + ".type")
+            raise _invalid(f"content part type {part.type!r} is not supported (only 'text', and 'refusal' in an "
+                           "assistant message)", param + ".type")
         if part.text is None:
             raise SluiceError(ErrorCode.MISSING_FIELD, "a text content part needs 'text'", param + ".text")
         texts.append(part.text)

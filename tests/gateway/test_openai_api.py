@@ -59,6 +59,14 @@ def test_bc22_non_object_body_is_400(raw):
     # README trial 14: a top_k past msgpack's ints was a 500 (the Generate frame could not be encoded)
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": 18446744073709551616}', "top_k"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": -2}', "top_k"),
+    # README trial 14: a wrong-typed name was accepted, and an assistant turn given as audio reached the model empty
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi", "name": 1}]}', "messages[0].name"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null,'
+     b' "audio": {"id": "audio_abc"}}]}', "messages[1].audio"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}',
+     "messages[0].content[0].type"),
+    (b'{"model": "m", "messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]}',
+     "messages[0].content[0].refusal"),
 ])
 def test_bc23_bad_fields_are_400_naming_the_field(body, param):
     error = _chat_error(body)
@@ -176,6 +184,15 @@ def test_unknown_fields_are_ignored_and_content_parts_joined():
     request = decode_body(body, ChatCompletionRequest)
     assert openai_api.chat_messages(request) == [{"role": "system", "content": "a\nb"},
                                                  {"role": "assistant", "content": ""}]
+
+
+def test_an_assistant_refusal_part_is_its_text():
+    """OpenAI lets an earlier assistant turn hold a refusal part; it reaches the model as that turn's text (README
+    trial 14: it was a 400)."""
+    body = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content":'
+            b' [{"type": "refusal", "refusal": "I cannot help with that."}]}, {"role": "user", "content": "ok"}]}')
+    messages = openai_api.chat_messages(decode_body(body, ChatCompletionRequest))
+    assert messages[1] == {"role": "assistant", "content": "I cannot help with that."}
 
 
 @pytest.mark.parametrize("prompt, expected", [

@@ -204,6 +204,14 @@ class AdmissionController(Generic[ReservationT]):
         ticket.resume_timeout_s = timeout_s
         return ticket
 
+    def make_requeue_ticket(self, turned_away: Ticket[ReservationT]) -> Ticket[ReservationT]:
+        """Make the ticket of a request that an engine turned away with its own 429/503 before its first token
+        (``gateway.upstream``): a resumption (:meth:`make_resume_ticket`) of the same prompt and output budget whose
+        queue deadline is what was left of ``turned_away``'s, so the client waits at most its tier's deadline in all
+        and then gets Sluice's own 503 with ``Retry-After``, never the engine's."""
+        left_s = math.inf if turned_away.deadline_s is None else max(0.0, turned_away.deadline_s - self._clock())
+        return self.make_resume_ticket(turned_away, turned_away.prompt_token_ids, turned_away.max_tokens, left_s)
+
     def make_ticket_for(self, principal: Principal, prompt_token_ids: Sequence[int],
                         max_tokens: int, group: object | None = None) -> Ticket[ReservationT]:
         """Make a ticket for a resolved :class:`~gateway.pipeline.classify.Principal` (tier and per-key limits)."""

@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.jobs.api import defer_shed_request
-from gateway.pipeline.choice import TextEvent
+from gateway.pipeline.choice_state import TextEvent
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.openai_api import OpenAIRequest
 from gateway.pipeline.request import Kind, Plan

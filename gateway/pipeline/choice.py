@@ -28,32 +28,33 @@ token ids and those of the text streamed so far, sent to the engine's ``/v1/comp
 left — queued for at most ``gateway.stall_timeout_s``. Its stream goes on where it stopped (same stop matcher,
 same token count); usage counts the prompt once and every output token. Attempt suffix ``-p<k>`` for the k-th
 resumption.
+
+**An engine's own 429/503** (``server_overloaded`` from :mod:`gateway.upstream`) before the first token is no
+failure: the choice is queued again in its place in its tier until what is left of its queue deadline, and sent once
+an upstream takes it; the client never sees the engine's refusal, only an answer or Sluice's own 503 at its tier's
+deadline. Attempt suffix ``-q<k>`` for the k-th requeue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 
 from gateway.admission.controller import AdmissionController
-from gateway.admission.tickets import Ticket
 from gateway.metrics import Metrics
+from gateway.pipeline.choice_state import ChoiceState, FinishEvent, TextEvent
 from gateway.pipeline.detokenize import IncrementalDetokenizer
-from gateway.pipeline.logprobs import LogprobLedger, TokenLogprob
 from gateway.pipeline.stop import StopStringMatcher
 from gateway.pipeline.tokenize import Tokenizer
 from gateway.upstream.request_body import UpstreamPrompt
 from gateway.workers.breaker import BreakerState
 from gateway.workers.client import WorkerClient
 from gateway.workers.pool import WorkerPool
-from gateway.workers.reservation import Reservation
-from gateway.workers.stream import RequestStream, StreamUpdate
+from gateway.workers.stream import StreamUpdate
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Generate, SamplingParams
 
@@ -65,67 +66,11 @@ MAX_PREEMPTIONS_PER_CHOICE = 2  # then it runs to its end: a low tier is not sto
 # A request this close to its output budget's end frees its slot within a few decode steps (an engine notices a stop
 # only at the next one); stopping it would throw away its prompt's and answer's KV, recomputed when it resumes.
 MIN_TOKENS_LEFT_TO_PREEMPT = 4
-# Failures that may be retried on another worker when no token of the choice exists yet.
-# server_overloaded: an upstream answered 429/503 (gateway.upstream); the retry waits in the tier queue.
-RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING,
-                             ErrorCode.SERVER_OVERLOADED})
+# Failures that may be retried on another worker when no token of the choice exists yet. (An engine's own 429/503,
+# server_overloaded, is no failure: the choice waits in its tier queue again, ChoiceRunner._requeue.)
+RETRYABLE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.DRAINING})
 # Failures that say the worker is unhealthy (its breaker counts them); others (bad input) are the request's fault.
 HEALTH_FAILURE_CODES = frozenset({ErrorCode.WORKER_FAILED, ErrorCode.WORKER_TIMEOUT, ErrorCode.INTERNAL})
-
-
-@dataclass
-class TextEvent:
-    """New text of one choice (never empty), with the log-probabilities of the tokens whose text starts in it
-    (when the request asked for them; else empty)."""
-
-    index: int
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class FinishEvent:
-    """The end of one choice."""
-
-    index: int
-    finish_reason: str  # "stop" | "length"
-
-
-@dataclass
-class ChoiceState:
-    """Bookkeeping of one choice."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_tokens: int
-    ticket: Ticket[Reservation] | None = None
-    attempt: int = 0
-    stream: RequestStream | None = None
-    dispatched_at_s: float = 0.0
-    first_token_deadline_s: float | None = None  # time.perf_counter() of the first Generate + first_token_timeout_s
-    detokenizer: IncrementalDetokenizer | None = None
-    matcher: StopStringMatcher | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    engine_prompt_tokens: int | None = None  # the prompt as the engine counted it (its Finished; not a resumption's)
-    finish_reason: str | None = None
-    text_parts: list[str] = field(default_factory=list)
-    last_token_at_s: float = 0.0
-    logprobs: LogprobLedger = field(default_factory=LogprobLedger)
-    num_preemptions: int = 0
-    resume_prompt: list[int] | None = None  # prompt + output token ids the current attempt continues from
-    resume_base_tokens: int = 0  # output tokens streamed before the current attempt
-    pending: deque[TextEvent | FinishEvent] = field(default_factory=deque)  # made, not yet read by next_event
-
-    @property
-    def reservation(self) -> Reservation | None:
-        return self.ticket.reservation if self.ticket is not None else None
-
-    @property
-    def worker(self) -> WorkerClient | None:
-        reservation = self.reservation
-        return reservation.worker if reservation is not None else None
 
 
 class ChoiceRunner:
@@ -215,6 +160,11 @@ class ChoiceRunner:
             self._end_attempt(choice, failed=False, answered=False)
             choice.stream = None
             await self._resume(choice)
+            return
+        if exc.code is ErrorCode.SERVER_OVERLOADED and choice.completion_tokens == 0:
+            self._end_attempt(choice, failed=False, answered=False)
+            choice.stream = None
+            await self._requeue(choice)
             return
         failed_worker = choice.worker
         # the worker dropped it unstarted at its start deadline: a queue timeout, not a worker fault
@@ -308,6 +258,23 @@ class ChoiceRunner:
             choice.ticket, self._prompt_ids(choice), self.max_tokens[index] - choice.resume_base_tokens, timeout_s)
         await self.admission.admit(choice.ticket)
 
+    async def _requeue(self, choice: ChoiceState) -> None:
+        """Queue a choice again that an engine turned away with its own 429/503 before its first token (that
+        upstream takes nothing for its ``Retry-After``): in its place in its tier, until what is left of its queue
+        deadline (:meth:`AdmissionController.make_requeue_ticket`); its first-token deadline starts again when it is
+        sent. However often the engine refuses, the client gets an answer or Sluice's own 503 at its tier's
+        deadline.
+
+        Raises:
+            SluiceError: ``queue_timeout`` when its deadline passes while it waits.
+        """
+        choice.num_requeues += 1
+        choice.first_token_deadline_s = None
+        log.info("requeued_after_engine_refusal", request_id=self.request_id, choice=choice.index,
+                 times=choice.num_requeues)
+        choice.ticket = self.admission.make_requeue_ticket(choice.ticket)
+        await self.admission.admit(choice.ticket)
+
     def _prompt_ids(self, choice: ChoiceState) -> list[int]:
         """The prompt token ids of the choice's current attempt: its prompt, or prompt + output when it resumes."""
         return choice.resume_prompt if choice.resume_prompt is not None else self.prompts[choice.prompt_index]
@@ -322,6 +289,8 @@ class ChoiceRunner:
         suffix = "" if choice.attempt == 0 else f"-r{choice.attempt}"
         if choice.num_preemptions:
             suffix += f"-p{choice.num_preemptions}"
+        if choice.num_requeues:
+            suffix += f"-q{choice.num_requeues}"
         index = choice.prompt_index
         message = Generate(
             request_id=choice.request_id + suffix,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from gateway.admission.controller import AdmissionController
 from gateway.admission.tickets import Ticket
 from gateway.metrics import Metrics
-from gateway.pipeline.choice import ChoiceRunner, ChoiceState, FinishEvent, TextEvent
+from gateway.pipeline.choice import ChoiceRunner
+from gateway.pipeline.choice_state import ChoiceState, FinishEvent, TextEvent
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.logprobs import TokenLogprob
 from gateway.pipeline.tokenize import Tokenizer

@@ -30,7 +30,7 @@ from gateway.fleet.pools import PoolRuntime, Route
 from gateway.metrics import Metrics
 from gateway.pipeline import openai_api
 from gateway.pipeline.openai_api import OpenAIRequest
-from gateway.pipeline.choice import FinishEvent
+from gateway.pipeline.choice_state import FinishEvent
 from gateway.pipeline.classify import Principal
 from gateway.pipeline.generate import Generation
 from gateway.pipeline.logprobs import LogprobFormatter, TokenLogprob

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from gateway.pipeline.choice import ChoiceRunner, ChoiceState, FinishEvent, TextEvent
+from gateway.pipeline.choice import ChoiceRunner
+from gateway.pipeline.choice_state import ChoiceState, FinishEvent, TextEvent
 from gateway.workers.stream import RequestStream
 from shared.errors import ErrorCode, SluiceError
 from shared.protocol import Finished, SamplingParams, TokenDelta

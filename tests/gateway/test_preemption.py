@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.admission.tickets import TicketState
-from gateway.pipeline.choice import MAX_PREEMPTIONS_PER_CHOICE, MIN_TOKENS_LEFT_TO_PREEMPT, ChoiceRunner, ChoiceState
+from gateway.pipeline.choice import MAX_PREEMPTIONS_PER_CHOICE, MIN_TOKENS_LEFT_TO_PREEMPT, ChoiceRunner
+from gateway.pipeline.choice_state import ChoiceState
 from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.stream import RequestStream
 from tests.gateway.test_admission import (FakeClock, FakePool, SlotRatesPool, make_controller, prompt, queued_task,

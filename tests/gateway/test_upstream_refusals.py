@@ -38,11 +38,14 @@ WAIT_S = 30.0
 class PinnedEngine:
     """An OpenAI-compatible upstream on loopback, in a thread of its own, refusing as ``transformers serve`` does;
     it streams ``w0 w1 …``, one word per chunk. A temperature above 1.5 gets an OpenAI-style 400 naming
-    ``temperature`` (an engine's own limit the gateway does not know)."""
+    ``temperature`` (an engine's own limit the gateway does not know). While :attr:`busy_answers` is above 0, a
+    generation request gets 503 with ``Retry-After: 1`` instead, as an engine loading its model or full answers
+    (and the count goes down by one)."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.requests: list[dict] = []
+        self.busy_answers = 0
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
@@ -81,6 +84,10 @@ class PinnedEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        if self.busy_answers > 0:
+            self.busy_answers -= 1
+            return web.json_response({"error": {"message": "Loading model"}}, status=503,
+                                     headers={"Retry-After": "1"})
         if body["model"] != SERVED:
             return web.json_response({"detail": f"Server is pinned to '{SERVED}'; requested '{body['model']}'."},
                                      status=400)
@@ -256,3 +263,33 @@ def wait_for_readyz(server, predicate) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"/readyz never matched: {status} {body}")
         time.sleep(0.1)
+
+
+async def test_an_engines_503_never_reaches_the_client_the_request_waits_in_its_tier_queue(engine, tmp_path):
+    """README trial 16: llama-server answering 503 twice (loading) made Sluice pass the engine's 503 on after one
+    retry, with the engine's Retry-After and words. The choice now waits in its tier queue again (that upstream takes
+    nothing for its Retry-After) until its tier's deadline, and the client gets the answer, or at the deadline
+    Sluice's own 503 ``queue_timeout``."""
+    config = ('[model]\nname = "no-pool-serves-this-name"\n\n[worker]\nnum_local_workers = 0\n\n'
+              '[[tiers]]\nname = "standard"\npriority = 2\nqueue_timeout_s = 4.0\n'
+              + upstream_pool("gen", engine, "generic"))
+    with sluice_serve(tmp_path, config, min_ready_workers=1) as server:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        engine.busy_answers = 2
+        before = len(engine.requests)
+        answer = await client.chat.completions.create(model="gen-model", max_tokens=2,
+                                                      messages=[{"role": "user", "content": "Hi"}])
+        assert answer.choices[0].message.content == "w0 w1 "
+        assert len(engine.requests) - before == 3  # refused twice, answered the third time
+        assert len(server.log_events("requeued_after_engine_refusal")) == 2
+        engine.busy_answers = 1000  # refuses past the tier's 4 s deadline
+        started_s = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="gen-model", max_tokens=2,
+                                                 messages=[{"role": "user", "content": "Hi"}])
+        waited_s = time.monotonic() - started_s
+        assert info.value.status_code == 503 and info.value.body["code"] == "queue_timeout", info.value.body
+        assert "upstream" not in info.value.body["message"]  # Sluice's own words, not the engine's
+        assert int(info.value.response.headers["Retry-After"]) >= 1
+        assert 3.5 <= waited_s < 10.0, waited_s  # the tier's deadline, not the first refusal
+        await client.close()

@@ -49,6 +49,13 @@ class EngineSnapshot:
         reported_prefill_tokens_per_s, reported_decode_tokens_per_s: throughputs the engine computes itself
             (llama.cpp's ``prompt_tokens_seconds`` and ``predicted_tokens_seconds``, SGLang's ``gen_throughput``);
             None when it does not. The client uses them until its own counter-based rates exist.
+        sequence_prefill_tokens_per_s: how fast one prompt prefills, tokens/s of the engine's own prefill time:
+            llama.cpp's ``prompt_tokens_total`` ÷ ``prompt_seconds_total`` (each slot's prompt time, summed), vLLM's
+            prompt tokens of its finished requests ÷ their prefill seconds (``vllm:request_prompt_tokens`` and
+            ``vllm:request_prefill_time_seconds`` histogram sums; the newly computed tokens,
+            ``vllm:request_prefill_kv_computed_tokens``, where reported: cached ones cost no prefill). None when the
+            engine does not report it or has prefilled nothing yet. Tokens per busy second (the rates from the token
+            counters) understate it many times on an engine that mostly decodes.
     """
 
     num_running: int
@@ -59,6 +66,7 @@ class EngineSnapshot:
     kv_capacity_tokens: int | None = None
     reported_prefill_tokens_per_s: float | None = None
     reported_decode_tokens_per_s: float | None = None
+    sequence_prefill_tokens_per_s: float | None = None
 
 
 class MetricsParseError(ValueError):
@@ -88,6 +96,13 @@ def _first(values: dict[str, float], *names: str) -> float | None:
     return None
 
 
+def _ratio(tokens: float | None, seconds: float | None) -> float | None:
+    """Return ``tokens / seconds`` (cumulative counters), or None when either is missing or nothing was timed."""
+    if tokens is None or seconds is None or seconds <= 0 or tokens <= 0:
+        return None
+    return tokens / seconds
+
+
 def _required(values: dict[str, float], engine: str, name: str) -> int:
     value = values.get(name)
     if value is None:
@@ -104,6 +119,9 @@ def parse_vllm(text: str) -> EngineSnapshot:
         kv_used_fraction=_first(values, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         prompt_tokens_total=_first(values, "vllm:prompt_tokens_total"),
         generation_tokens_total=_first(values, "vllm:generation_tokens_total"),
+        sequence_prefill_tokens_per_s=_ratio(
+            _first(values, "vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prompt_tokens_sum"),
+            _first(values, "vllm:request_prefill_time_seconds_sum")),
     )
 
 
@@ -133,6 +151,8 @@ def parse_llamacpp(text: str) -> EngineSnapshot:
         generation_tokens_total=_first(values, "llamacpp:tokens_predicted_total"),
         reported_prefill_tokens_per_s=_first(values, "llamacpp:prompt_tokens_seconds"),
         reported_decode_tokens_per_s=_first(values, "llamacpp:predicted_tokens_seconds"),
+        sequence_prefill_tokens_per_s=_ratio(_first(values, "llamacpp:prompt_tokens_total"),
+                                             _first(values, "llamacpp:prompt_seconds_total")),
     )
 
 

@@ -175,8 +175,9 @@ class EngineProbe:
         """Return the Capacity of one poll's snapshot over ``total_kv_blocks`` (the Hello's): running, waiting and
         KV use as the engine reported them; prefill and decode rates from its token counters
         (:class:`~gateway.upstream.rates.UpstreamRates`; until they have measured a busy interval, the engine's own
-        throughput figures where it has them); one sequence's decode rate from the streams read here, else the
-        engine's decode rate ÷ its running requests."""
+        throughput figures where it has them); one sequence's prefill rate from the engine's own prefill time where
+        it reports one (``EngineSnapshot.sequence_prefill_tokens_per_s``), else the prefill rate; one sequence's
+        decode rate from the streams read here, else the engine's decode rate ÷ its running requests."""
         busy = snapshot.num_running > 0 or self._last_running > 0
         self._last_running = snapshot.num_running
         rates = self._rates
@@ -195,4 +196,5 @@ class EngineProbe:
             num_running=snapshot.num_running, num_waiting=snapshot.num_waiting,
             decode_tokens_per_s=decode, prefill_tokens_per_s=prefill,
             sequence_decode_tokens_per_s=self._sequence_decode_tokens_per_s,
-            sequence_prefill_tokens_per_s=prefill, busy_tokens_per_s=rates.busy_tokens_per_s or prefill + decode)
+            sequence_prefill_tokens_per_s=snapshot.sequence_prefill_tokens_per_s or prefill,
+            busy_tokens_per_s=rates.busy_tokens_per_s or prefill + decode)

@@ -15,6 +15,7 @@ from gateway.upstream.engine_metrics import (
     parse_engine_metrics,
     parse_llamacpp_slots,
 )
+from gateway.upstream.probe import EngineProbe
 from gateway.upstream.rates import StreamDecodeRate, UpstreamRates
 from gateway.upstream.sse import SSEFormatError, UpstreamDelta, decode_event
 
@@ -22,12 +23,13 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine_metrics"
 
 
 @pytest.mark.parametrize(("fixture", "engine", "expected"), [
-    ("vllm.txt", "vllm", EngineSnapshot(7, 3, 0.4125, 18211.0, 52044.0)),
+    ("vllm.txt", "vllm", EngineSnapshot(7, 3, 0.4125, 18211.0, 52044.0, sequence_prefill_tokens_per_s=17940 / 2.99)),
     ("vllm_v0.txt", "vllm", EngineSnapshot(2, 0, 0.07, 1234.0, 5678.0)),  # gpu_cache_usage_perc before v0.10
     ("sglang.txt", "sglang", EngineSnapshot(162, 2826, 0.28, 8128902.0, 7557572.0, kv_capacity_tokens=161721,
                                             reported_decode_tokens_per_s=2994.28)),
     ("llamacpp.txt", "llama.cpp", EngineSnapshot(4, 1, 0.25, 6886.0, 3469.0, reported_prefill_tokens_per_s=237.2,
-                                                 reported_decode_tokens_per_s=97.9)),
+                                                 reported_decode_tokens_per_s=97.9,
+                                                 sequence_prefill_tokens_per_s=6886 / 29.03)),
     ("tgi.txt", "tgi", EngineSnapshot(5, 9, None, 30210.0, 14820.0)),
 ])
 def test_parsers_read_each_engines_metrics(fixture, engine, expected):
@@ -122,3 +124,18 @@ def test_sse_events_of_the_engines_decode_to_text_finish_and_usage(data, expecte
 def test_a_data_line_that_is_not_json_is_an_error():
     with pytest.raises(SSEFormatError):
         decode_event("<html>502 Bad Gateway</html>")
+
+
+def test_one_prompts_prefill_speed_is_the_engines_own_where_it_reports_one():
+    """README trial 16: one llama.cpp prompt's prefill speed was taken as prompt tokens per busy second, 8.5
+    tokens/s where llama-server's own counters said 252 (its busy time is mostly decode): predicted waits came out
+    30 s for a sub-second wait, raised the pressure level to critical and turned requests away with Retry-After 27.
+    The Capacity's per-sequence prefill rate is the engine's prompt tokens ÷ its prompt seconds."""
+    probe = EngineProbe("http://127.0.0.1:1", "engine", engine="llama.cpp", model="m", model_key="upstream_model",
+                        headers={}, max_concurrency=2, kv_capacity_tokens=0, max_model_len_tokens=2048,
+                        metrics_interval_s=0.25, on_change=lambda: None)
+    snapshot = parse_engine_metrics("llama.cpp", (FIXTURES / "llamacpp.txt").read_text())
+    capacity = probe.capacity(snapshot, total_kv_blocks=512)
+    assert capacity.sequence_prefill_tokens_per_s == pytest.approx(237.2, rel=1e-3)
+    without = EngineSnapshot(2, 0, 0.1, 100.0, 50.0, reported_prefill_tokens_per_s=40.0)  # no prompt seconds
+    assert probe.capacity(without, total_kv_blocks=512).sequence_prefill_tokens_per_s == 40.0

@@ -5,7 +5,9 @@ Run headless against a local gateway (loopback only, bounded in time)::
     .venv/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000 \\
         --csv bench/results/locust
 
-Besides locust's own per-endpoint rows, every streamed answer records two custom metrics (request type ``SSE``):
+Locust's own per-endpoint rows of the streamed chat requests time the response headers, which Sluice sends with
+the first token: they are a time to first byte, not the answer's time. Every streamed answer also records two custom
+metrics (request type ``SSE``):
 ``TTFT`` (ms from sending the request to the first content delta) and ``TPOT`` (ms per output token after the
 first, from the usage chunk's token count). Chat users draw a tier from ``SLUICE_LOCUST_TIER_MIX`` (default
 ``vip=0.2,standard=0.6,free=0.2``) and send it in the ``x-sluice-tier`` header (which can only lower a tier) with

@@ -85,13 +85,25 @@ class MeasuredCapacity:
                          f"{w.decode_tokens_per_s:.1f} tokens/s at batch {w.decode_batch:.1f}" for w in self.measured)
 
 
-def capacity_from_status(status: dict[str, Any]) -> MeasuredCapacity:
-    """Return the capacity a ``/status`` body reports (``measured`` empty when no worker measured both rates)."""
+def capacity_from_status(status: dict[str, Any], model: str | None = None) -> MeasuredCapacity:
+    """Return the capacity a ``/status`` body reports (``measured`` empty when no worker measured both rates).
+
+    With ``model``, only the workers of the pools serving it count (``fleet.pools[…].model``; a mixed fleet's
+    other pools never see the replay's requests). A worker's prefill rate is the larger of its prompt tokens per
+    second (``prefill_tokens_per_s``: of prefilling steps on our workers, but of busy time, decode included, on an
+    upstream engine) and one prompt's prefill speed (``sequence_prefill_tokens_per_s``, from an engine's own
+    prefill time), so an engine that mostly decodes is not sized as if it prefilled at a tenth of its speed.
+    """
     workers = [w for w in status.get("workers") or [] if isinstance(w, dict) and not w.get("draining")]
+    pools = (status.get("fleet") or {}).get("pools") or {}
+    serving = {name for name, pool in pools.items() if isinstance(pool, dict) and pool.get("model") == model}
+    if model is not None and serving:
+        workers = [w for w in workers if w.get("pool") in serving]
     measured = []
     for worker in workers:
         capacity = worker.get("capacity") or {}
-        prefill = float(capacity.get("prefill_tokens_per_s") or 0.0)
+        prefill = max(float(capacity.get("prefill_tokens_per_s") or 0.0),
+                      float(capacity.get("sequence_prefill_tokens_per_s") or 0.0))
         decode = float(capacity.get("decode_tokens_per_s") or 0.0)
         if prefill > 0 and decode > 0:
             measured.append(WorkerRates(str(worker.get("name")), prefill, decode,
@@ -172,14 +184,14 @@ async def measure_capacity(session, base_url: str, model: str, calibration_texts
         SizingError: no serving worker, or still no rates after the calibration (naming the status and error of
             the first calibration request that failed, when one did).
     """
-    capacity = capacity_from_status(await fetch_status(session, base_url))
+    capacity = capacity_from_status(await fetch_status(session, base_url), model)
     if capacity.num_workers == 0:
         raise SizingError(f"{base_url}/status lists no serving worker")
     if capacity.measured:
         return capacity, False
     failures = await calibrate(session, base_url, model, calibration_texts, headers, ignore_eos)
     await asyncio.sleep(settle_s)  # the next capacity report of each worker carries the new rates
-    capacity = capacity_from_status(await fetch_status(session, base_url))
+    capacity = capacity_from_status(await fetch_status(session, base_url), model)
     if not capacity.measured:
         failed = ""
         if failures:

@@ -36,6 +36,22 @@ def test_a_worker_without_rates_counts_at_the_mean_of_the_measured_ones():
     assert capacity_from_status(status_of({})).measured == []
 
 
+def test_a_mixed_fleet_is_sized_by_the_replayed_models_pool_at_its_engines_prefill_speed():
+    """README trial 17: in a fleet of our pool and a llama.cpp pool, the replay counted both pools' workers (the
+    llama.cpp one serves another model) and took the upstream's prompt tokens per busy second (3.9) for its prefill
+    speed (107 by the engine's own prompt time): '2x capacity' was far below it, and ten times apart a minute later."""
+    ours = {"prefill_tokens_per_s": 250.0, "decode_tokens_per_s": 30.0, "sequence_decode_tokens_per_s": 10.0}
+    engine = {"prefill_tokens_per_s": 3.9, "sequence_prefill_tokens_per_s": 107.0, "decode_tokens_per_s": 31.6}
+    status = {"fleet": {"pools": {"ours": {"model": "small"}, "llamacpp": {"model": "small-llamacpp"}}},
+              "workers": [{"name": "ours-0", "pool": "ours", "capacity": ours},
+                          {"name": "llamacpp-upstream-0", "pool": "llamacpp", "capacity": engine}]}
+    for_ours = capacity_from_status(status, "small")
+    assert for_ours.num_workers == 1 and [w.name for w in for_ours.measured] == ["ours-0"]
+    for_engine = capacity_from_status(status, "small-llamacpp")
+    assert for_engine.measured[0].prefill_tokens_per_s == 107.0
+    assert capacity_from_status(status).num_workers == 2  # no model named: every worker, as before
+
+
 def test_rate_scale_makes_the_trace_arrive_at_the_wanted_multiple_of_capacity():
     requests = [TraceRequest(arrival_s=10.0 * i, input_tokens=100, output_tokens=10) for i in range(5)]  # 0.1/s
     assert rate_scale_for(2.0, 0.5, requests) == pytest.approx(10.0)  # 2 × 0.5 = 1 request/s = 10 × 0.1/s

@@ -83,8 +83,6 @@ class ArrivalChecks:
         """Count a rejection of ``code`` in the tier (unless the ticket's owner counts it: ``Ticket.counts_shed``)
         and raise it, with ``Retry-After`` from the tier's drain time unless ``retry_after_s`` is given."""
         ticket.state = TicketState.REJECTED
-        ticket.shed_code = code
-        if ticket.counts_shed:
-            queue.num_rejected[code.value] += 1
+        queue.record_shed(ticket, code)
         seconds = self._waits.tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
         raise SluiceError(code, message, retry_after_s=self._waits.clamp_retry_after(seconds))

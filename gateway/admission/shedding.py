@@ -55,9 +55,7 @@ class Shedder:
         if not queue.remove(ticket):
             return
         ticket.state = TicketState.REJECTED
-        ticket.shed_code = code
-        if ticket.counts_shed:
-            queue.num_rejected[code.value] += 1
+        queue.record_shed(ticket, code)
         seconds = self._waits.tier_retry_after_s(queue) if retry_after_s is None else retry_after_s
         error = SluiceError(code, message, retry_after_s=self._waits.clamp_retry_after(seconds))
         if ticket._future is not None and not ticket._future.done():

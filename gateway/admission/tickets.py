@@ -120,6 +120,13 @@ class TierQueue:
         # arrival times within ``reserved_slot_window_s`` (logged only when the tier sets one)
         self.arrival_times_s: deque[float] = deque()
 
+    def record_shed(self, ticket: Ticket, code: ErrorCode) -> None:
+        """Note that ``ticket`` was shed with ``code``, and count it in :attr:`num_rejected` unless its owner counts
+        it (``Ticket.counts_shed``)."""
+        ticket.shed_code = code
+        if ticket.counts_shed:
+            self.num_rejected[code.value] += 1
+
     def head(self) -> Ticket | None:
         return next(iter(self.tickets.values()), None)
 

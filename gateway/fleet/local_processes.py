@@ -313,8 +313,7 @@ class LocalProcesses:
         while client.num_reserved > client.num_in_flight and self._clock() < deadline_s:
             await asyncio.sleep(DRAIN_POLL_S)
         client.send_drain()
-        while client.num_reserved > 0 or client.num_in_flight > 0:
-            await asyncio.sleep(DRAIN_POLL_S)
+        await client.wait_idle(DRAIN_POLL_S)
         await self.stop_process(lw)
         log.info("local_worker_stopped", pool=runtime.name, worker_id=lw.worker_id)
 

@@ -110,9 +110,7 @@ class RegistryMembers:
                                                name=f"registry-leave-{name}")
 
     async def _close_when_idle(self, name: str, leaving: _Leaving, reason: str) -> None:
-        client = leaving.client
-        while client.num_reserved > 0 or client.num_in_flight > 0:
-            await asyncio.sleep(LEAVE_POLL_S)
+        await leaving.client.wait_idle(LEAVE_POLL_S)
         if self._leaving.get(name) is leaving:
             del self._leaving[name]
         leaving.task = None

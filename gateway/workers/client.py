@@ -264,6 +264,12 @@ class WorkerClient:
         self.draining = True
         self._changed()
 
+    async def wait_idle(self, poll_s: float) -> None:
+        """Return once this gateway holds no reservation and runs no request on the worker (checked every
+        ``poll_s`` seconds): a worker being drained or leaving the registry."""
+        while self.num_reserved > 0 or self.num_in_flight > 0:
+            await asyncio.sleep(poll_s)
+
     def resume_routing(self) -> None:
         """Undo :meth:`mark_draining`: the worker takes new requests again once ready (a registry worker that left
         and came back while its requests still ran: ``gateway.fleet.registry_members``)."""
